@@ -23,7 +23,7 @@ demo: $(STAMP)
 		--config recipes/configs/sft_demo.yaml
 
 test: $(STAMP)
-	$(BIN)/pytest -q -m "not distributed"
+	$(BIN)/pytest -q
 
 test-distributed: $(STAMP)
 	$(BIN)/pytest -q -m distributed

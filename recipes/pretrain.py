@@ -29,6 +29,7 @@ from hfl3.callbacks import LossPlotCallback, SampleCallback, ThroughputCallback,
 from hfl3.data import text
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
+from hfl3.trainers.launch import check_world_size
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 
 logger = logging.getLogger("hfl3.pretrain")
@@ -109,12 +110,7 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
     # The finished folder is uploaded once at the end (the Trainer's own push would contact the Hub at start,
     # re-save the weights without our metadata and replace the model card).
     push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
-    logger.info("world size %d (%s)", training_args.world_size, training_args.parallel_mode)
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != training_args.world_size:  # accelerate 1.15 without CUDA: each process would train alone
-        raise RuntimeError(f"{launched} processes were launched but accelerate set up world size "
-                           f"{training_args.world_size}: on a CPU machine add --use_cpu (DDP, "
-                           "accelerate_configs/multi_cpu_ddp.yaml) or --ddp_backend gloo (DeepSpeed zero2/zero3.yaml)")
+    check_world_size(training_args)
     corpus, corpus_report = text.load_corpus(
         script_args.dataset, script_args.text_column, script_args.dataset_split, script_args.skip_invalid_files
     )

@@ -44,6 +44,7 @@ from trl import TrlParser
 
 from hfl3.callbacks import save_loss_plot
 from hfl3.provenance import push_folder_to_hub, write_json_atomic
+from hfl3.trainers.launch import check_world_size
 from hfl3.trainers.sft import (
     SFTLoRAConfig,
     SFTModelArguments,
@@ -58,7 +59,7 @@ logger = logging.getLogger("hfl3.recipes.sft_lora")
 
 
 def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_args: SFTModelArguments) -> dict:
-    """Train, evaluate before/after, save the adapter with provenance, optionally merge and push.
+    """Train (evaluating at step 0 and after), save the adapter with provenance, optionally merge and push.
 
     Returns:
         The results written to `all_results.json`.
@@ -69,6 +70,7 @@ def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_ar
     # The upload happens once at the end (push_folder_to_hub), not from every checkpoint save
     training_args.push_to_hub = False
 
+    check_world_size(training_args)
     trainer, data, metadata = build_sft_trainer(script_args, training_args, model_args)
     log = trainer.accelerator.print
     for name, stats in data.stats.items():
@@ -76,11 +78,9 @@ def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_ar
         log(f"[hfl3] {name}: {counts}")
     log(f"[hfl3] train rows {len(data.train)}, eval rows {len(data.eval) if data.eval is not None else 0}")
 
-    results = {}
-    if data.eval is not None:
-        results.update(trainer.evaluate(metric_key_prefix="eval_before"))
     add_early_stopping(trainer)
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    results = eval_before(trainer.state.log_history)
     results.update(train_result.metrics)
     if data.eval is not None:
         results.update(trainer.evaluate())
@@ -128,6 +128,15 @@ def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_ar
         log(f"[hfl3] pushed {upload_dir} to {url}")
     trainer.end()
     return results
+
+
+def eval_before(log_history: list[dict]) -> dict:
+    """The step-0 evaluation (`eval_on_start`) renamed `eval_before_*`; empty when there was none (no evaluation
+    data, or a resumed run)."""
+    for entry in log_history:
+        if entry.get("step") == 0 and "eval_loss" in entry:
+            return {k.replace("eval_", "eval_before_", 1): v for k, v in entry.items() if k.startswith("eval_")}
+    return {}
 
 
 def make_parser(subparsers=None):

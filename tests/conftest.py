@@ -1,6 +1,9 @@
 """Shared fixtures: real assets from ../shared/assets (override with HFL3_ASSETS), offline Hub."""
 
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,33 @@ def assets() -> Path:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+HIDE_HFL3 = """
+import sys
+
+class HideHfl3:
+    def find_spec(self, name, path=None, target=None):
+        if name == "hfl3" or name.startswith("hfl3."):
+            raise ImportError("hfl3 is hidden in this process")
+
+sys.meta_path.insert(0, HideHfl3())
+"""
+
+
+@pytest.fixture
+def run_without_hfl3(tmp_path):
+    """`run(script, *args, timeout=300)`: run a Python `script` in a fresh process where `import hfl3` fails (what a
+    Hub user without hfl3 has), offline, with its own remote-code module cache; returns the `CompletedProcess`."""
+
+    def run(script: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+        path = tmp_path / "without_hfl3.py"
+        path.write_text(HIDE_HFL3 + textwrap.dedent(script))
+        env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+        return subprocess.run([sys.executable, str(path), *map(str, args)], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+
+    return run
 
 
 def pytest_collection_modifyitems(config, items):

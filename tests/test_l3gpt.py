@@ -1,9 +1,6 @@
 """L3GPT: L3 lookup vs the padded reference, HF integration (masks, cache, loss, save/load, remote code), configs."""
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -218,43 +215,30 @@ def test_save_pretrained_round_trip(tmp_path):
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_l3gpt.L3GPTForCausalLM"
 
 
-REMOTE_SCRIPT = textwrap.dedent(
-    """
-    import sys, torch
+REMOTE_SCRIPT = """
+import torch
+from transformers import AutoModelForCausalLM
 
-    class HideHfl3:
-        def find_spec(self, name, path=None, target=None):
-            if name == "hfl3" or name.startswith("hfl3."):
-                raise ImportError("hfl3 is hidden in this process")
-
-    sys.meta_path.insert(0, HideHfl3())
-    from transformers import AutoModelForCausalLM
-    try:
-        import hfl3  # noqa: F401
-        raise SystemExit("hfl3 should not be importable here")
-    except ImportError:
-        pass
-    folder = sys.argv[1]
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    assert "hfl3" not in type(model).__module__, type(model).__module__
-    ids = torch.load(folder + "/ids.pt")
-    with torch.no_grad():
-        torch.save(model(ids).logits, folder + "/remote_logits.pt")
-    """
-)
+try:
+    import hfl3  # noqa: F401
+    raise SystemExit("hfl3 should not be importable here")
+except ImportError:
+    pass
+folder = sys.argv[1]
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+assert "hfl3" not in type(model).__module__, type(model).__module__
+ids = torch.load(folder + "/ids.pt")
+with torch.no_grad():
+    torch.save(model(ids).logits, folder + "/remote_logits.pt")
+"""
 
 
-def test_remote_code_loads_without_hfl3(tmp_path):
+def test_remote_code_loads_without_hfl3(tmp_path, run_without_hfl3):
     model = skewed_model(tiny_config()).eval()
     model.save_pretrained(tmp_path)
     ids = torch.randint(0, VOCAB, (2, 10))
     torch.save(ids, tmp_path / "ids.pt")
-    env_script = tmp_path / "load_remote.py"
-    env_script.write_text(REMOTE_SCRIPT)
-    result = subprocess.run(
-        [sys.executable, str(env_script), str(tmp_path)], capture_output=True, text=True, timeout=180,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(tmp_path / "modules")},
-    )
+    result = run_without_hfl3(REMOTE_SCRIPT, tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     with torch.no_grad():
         expected = model(ids).logits

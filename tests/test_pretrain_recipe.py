@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import datasets
 import pytest
@@ -58,35 +57,22 @@ def test_recipe_writes_a_complete_folder_and_learns(recipe_run):
     assert counts.max() > 4 * counts.float().mean()  # the LZW allocation travelled with the checkpoint
 
 
-REMOTE_GENERATE = textwrap.dedent(
-    """
-    import sys, torch
+REMOTE_GENERATE = """
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    class HideHfl3:
-        def find_spec(self, name, path=None, target=None):
-            if name == "hfl3" or name.startswith("hfl3."):
-                raise ImportError("hfl3 is hidden in this process")
-
-    sys.meta_path.insert(0, HideHfl3())
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    folder = sys.argv[1]
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    ids = torch.tensor([[tokenizer.bos_token_id] + tokenizer("def ", add_special_tokens=False)["input_ids"]])
-    print("TOKENS", model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist())
-    """
-)
+folder = sys.argv[1]
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained(folder)
+ids = torch.tensor([[tokenizer.bos_token_id] + tokenizer("def ", add_special_tokens=False)["input_ids"]])
+print("TOKENS", model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist())
+"""
 
 
 @pytest.mark.slow
-def test_upload_folder_generates_the_same_without_hfl3(recipe_run, tmp_path):
+def test_upload_folder_generates_the_same_without_hfl3(recipe_run, run_without_hfl3):
     output_dir, _ = recipe_run
-    script = tmp_path / "remote.py"
-    script.write_text(REMOTE_GENERATE)
-    result = subprocess.run(
-        [sys.executable, str(script), str(output_dir)], capture_output=True, text=True, timeout=300,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(tmp_path / "modules")},
-    )
+    result = run_without_hfl3(REMOTE_GENERATE, output_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     remote_tokens = json.loads(result.stdout.split("TOKENS", 1)[1].strip())
     model = AutoModelForCausalLM.from_pretrained(output_dir)

@@ -11,8 +11,9 @@ Tolerances, from the 2026-11-21 measurements on a 2-core CPU (dev/LOG.md, issue 
   divided by sqrt(v) turn round-off into +-lr steps), eval loss within 9e-5. Allowed: 1e-2 and 1e-3; training on
   half the global batch instead (no all-reduce) moves the weights by far more (`test_muon_tolerance_can_tell`).
 - Resuming from the step-10 checkpoint: bit-identical weights and eval loss in both DDP and ZeRO-2. Allowed: 1e-6.
-- SFT LoRA, 2 processes vs 1 (DDP, ZeRO-2, ZeRO-3): adapters within 3.9e-7, equal eval loss, measured with the
-  recipe's evaluation before training moved to step 0 inside train() (see SFT_CASES). Allowed: 1e-5 and 1e-5.
+- SFT LoRA, 2 processes vs 1 (DDP, ZeRO-2, ZeRO-3): adapters within 3.9e-7, equal eval loss. Allowed: 1e-5 and
+  1e-5. (The recipe evaluates at step 0 inside train(); an evaluate() before train() left DDP unwrapped and gave
+  ZeRO an inference engine.)
 """
 
 import json
@@ -174,27 +175,8 @@ def test_pretrain_stops_when_accelerate_sets_up_world_size_1(ddp):
         assert "--use_cpu" in record["error"] and "--ddp_backend gloo" in record["error"]
 
 
-# recipes/sft_lora.py calls trainer.evaluate() before trainer.train() (its eval_before_* metrics). In transformers 5.23
-# that breaks every multi-process setup: evaluate() prepares the model for evaluation only, which marks it
-# `_is_accelerate_prepared`, so train() never wraps it in DDP and each rank trains alone on its half of the batch;
-# under ZeRO it builds an inference engine (ZeRO-2 refuses, ZeRO-3 leaves train() without a training engine). With
-# that evaluation moved inside train() (eval_on_start=True, then eval_before_* read from log_history at step 0), all
-# three cases passed on 2026-11-21 with a patched copy of the recipe. strict: they fail once the recipe is fixed, so
-# the marks are removed then.
-SFT_BROKEN_BY_EVALUATE_BEFORE_TRAIN = {
-    "ddp": "no gradient all-reduce: eval loss differs from the single-process run",
-    "zero2": "ValueError: ZeRO inference only makes sense with ZeRO Stage 3",
-    "zero3": "AttributeError: 'NoneType' object has no attribute 'backward'",
-}
-SFT_CASES = [
-    pytest.param(config, id=config, marks=pytest.mark.xfail(strict=True, reason=f"recipes/sft_lora.py evaluates "
-                                                             f"before train(): {symptom}"))
-    for config, symptom in SFT_BROKEN_BY_EVALUATE_BEFORE_TRAIN.items()
-]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("config", SFT_CASES)
+@pytest.mark.parametrize("config", ["ddp", "zero2", "zero3"])
 def test_sft_lora_equals_single_process_on_the_global_batch(request, reference, sft_base, distributed_dir, config):
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM

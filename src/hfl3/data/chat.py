@@ -477,7 +477,8 @@ def _first_paragraph(doc: str) -> str | None:
 def stdlib_docstring_functions(max_answer_chars: int = 400) -> list[tuple[str, str, str]]:
     """`(qualified name, signature, first docstring paragraph)` for the public functions of `STDLIB_DOC_MODULES`
     that have an `inspect.signature` and a first paragraph of 20 to `max_answer_chars` characters, sorted by name
-    and without duplicates (one object reached from two modules is kept under the first name)."""
+    and without duplicates (one object reached from two modules is kept under the first name). Memory addresses in
+    signatures (`<object object at 0x...>`) are removed, so every process builds the same list."""
     found, seen = [], set()
     for module_name in STDLIB_DOC_MODULES:
         try:
@@ -492,6 +493,8 @@ def stdlib_docstring_functions(max_answer_chars: int = 400) -> list[tuple[str, s
                 signature = str(inspect.signature(obj))
             except (TypeError, ValueError):
                 continue
+            # Default values such as `<object object at 0x7f...>` differ between processes
+            signature = re.sub(r" at 0x[0-9a-fA-F]+", "", signature)
             answer = _first_paragraph(inspect.getdoc(obj) or "")
             if answer is None or not 20 <= len(answer) <= max_answer_chars:
                 continue

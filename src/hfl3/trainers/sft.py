@@ -86,6 +86,9 @@ class SFTLoRAConfig(SFTConfig):
         bf16: None -> True only on a CUDA GPU that supports it (TRL: True even on CPU).
         eval_strategy / save_strategy: "epoch"; load_best_model_at_end: True; metric_for_best_model: "eval_loss".
         save_total_limit: 2 (the best and the latest checkpoint survive).
+        eval_on_start: None -> True when there is evaluation data and the run does not resume (`check_arguments`);
+            the recipe reports that step-0 evaluation as `eval_before_*`. It runs inside `train()`: an evaluate()
+            before train() would prepare the model for inference only (no DDP wrapper, a ZeRO inference engine).
     Added:
         early_stopping_patience: stop when `eval_loss` has not improved this many evaluations in a row.
         early_stopping_threshold: minimum improvement that counts.
@@ -101,6 +104,9 @@ class SFTLoRAConfig(SFTConfig):
     load_best_model_at_end: bool = field(default=True, metadata={"help": "Keep the adapter with the best eval_loss."})
     metric_for_best_model: str | None = field(default="eval_loss", metadata={"help": "Metric that picks the best."})
     save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept (the best one always)."})
+    eval_on_start: bool | None = field(
+        default=None, metadata={"help": "Evaluate at step 0 (default: with evaluation data, unless resuming)."}
+    )
     early_stopping_patience: int | None = field(
         default=None, metadata={"help": "Stop after this many evaluations without eval_loss improvement."}
     )
@@ -339,7 +345,7 @@ def config_sha256(config) -> str:
 
 
 def check_arguments(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_args: SFTModelArguments):
-    """Reject combinations that would train something else than asked.
+    """Reject combinations that would train something else than asked; resolve `eval_on_start`.
 
     Raises:
         ValueError: no model; no or two data sources; `use_peft=False`; evaluation or early stopping requested
@@ -359,6 +365,8 @@ def check_arguments(script_args: SFTScriptArguments, training_args: SFTLoRAConfi
         )
     if training_args.early_stopping_patience and not (has_eval and training_args.load_best_model_at_end):
         raise ValueError("--early_stopping_patience needs evaluation data and --load_best_model_at_end true")
+    if training_args.eval_on_start is None:
+        training_args.eval_on_start = has_eval and not training_args.resume_from_checkpoint
 
 
 def build_sft_trainer(
@@ -376,8 +384,11 @@ def build_sft_trainer(
     tokenizer = load_tokenizer(model_args, training_args)
     train_file = script_args.train_file
     if script_args.stdlib_chats:
-        chats = stdlib_docstring_chats(script_args.stdlib_chats, seed=training_args.seed)
-        train_file = write_chat_jsonl(chats, Path(training_args.output_dir) / "stdlib_chats.jsonl")
+        # Each node's first process writes the file, the others read it (one file, no concurrent writers)
+        train_file = Path(training_args.output_dir) / "stdlib_chats.jsonl"
+        with training_args.main_process_first(desc="stdlib chats"):
+            if training_args.local_process_index == 0:
+                write_chat_jsonl(stdlib_docstring_chats(script_args.stdlib_chats, seed=training_args.seed), train_file)
     data = load_sft_data(
         tokenizer,
         train_file,
@@ -416,8 +427,8 @@ def build_sft_trainer(
 
 
 def add_early_stopping(trainer: HFL3SFTTrainer) -> None:
-    """Attach `EarlyStoppingCallback` when `early_stopping_patience` is set (after any evaluation made before
-    training, which must not count)."""
+    """Attach `EarlyStoppingCallback` when `early_stopping_patience` is set. The step-0 evaluation
+    (`eval_on_start`) does not count: transformers only updates `best_metric` from evaluations after a step."""
     args = trainer.args
     if args.early_stopping_patience:
         trainer.add_callback(EarlyStoppingCallback(args.early_stopping_patience, args.early_stopping_threshold))
