@@ -51,7 +51,8 @@ class ScriptArguments:
     vocab_size: int = field(default=32768, metadata={"help": "vocabulary of the trained BPE"})
     tokenizer_train_chars: int = field(default=20_000_000, metadata={"help": "characters to train the BPE on"})
     l3_sample_tokens: int = field(default=2_000_000, metadata={"help": "training tokens LZW-scanned for L3"})
-    sample_prompts: list[str] = field(default_factory=lambda: ["def ", "import ", "class "],
+    # No trailing space: BPE words carry their leading space (" foo"), so "def " would end on a lone-space token
+    sample_prompts: list[str] = field(default_factory=lambda: ["def", "import", "class"],
                                       metadata={"help": "prompts for greedy samples at eval time"})
 
 
@@ -194,17 +195,17 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
             model=config.to_dict(), script_args=asdict(script_args), model_args=asdict(model_args),
             training_args=training_args.to_dict(), results=metrics,
         )
-        finish_folder(training_args.output_dir, metadata, metrics)
+        finish_folder(training_args.output_dir, metadata, metrics, (script_args.sample_prompts or ["def"])[0])
     if push_to_hub and trainer.is_world_process_zero():
         provenance.push_folder_to_hub(training_args.output_dir, training_args.hub_model_id,
                                       private=training_args.hub_private_repo, token=training_args.hub_token)
     return metrics
 
 
-def finish_folder(output_dir: str, metadata: dict, metrics: dict) -> None:
+def finish_folder(output_dir: str, metadata: dict, metrics: dict, prompt: str) -> None:
     """metadata.json (replacing the Trainer's pickled training_args.bin), the safetensors header and the model
     card, then a reload with `AutoModelForCausalLM` that
-    generates (the folder that `push_to_hub` uploads is exactly this one)."""
+    continues `prompt` (greedy, 40 tokens; the folder that `push_to_hub` uploads is exactly this one)."""
     provenance.write_json_atomic(Path(output_dir) / "metadata.json", metadata)
     (Path(output_dir) / "training_args.bin").unlink(missing_ok=True)  # pickle; metadata.json has the arguments
     data = metadata["data"]
@@ -218,9 +219,9 @@ def finish_folder(output_dir: str, metadata: dict, metrics: dict) -> None:
     provenance.write_model_card(output_dir, "L3GPT (hfl3)", metadata, summary, tags=("hfl3", "l3gpt"))
     model = AutoModelForCausalLM.from_pretrained(output_dir)
     tokenizer = load_tokenizer(output_dir)
-    prompt = [tokenizer.bos_token_id, *tokenizer("def ", add_special_tokens=False)["input_ids"]]
+    ids = [tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]
     with torch.no_grad():
-        output = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+        output = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
                                 pad_token_id=tokenizer.pad_token_id)
     print("reloaded from", output_dir, "->", repr(tokenizer.decode(output[0, 1:], skip_special_tokens=True)))
 

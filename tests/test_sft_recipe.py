@@ -21,7 +21,14 @@ from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data.chat import load_sft_data, read_chat_jsonl, write_chat_jsonl
 from hfl3.provenance import sha256_file, sha256_records
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig, SFTModelArguments, lora_config
+from hfl3.trainers.sft import (
+    HFL3SFTTrainer,
+    SFTLoRAConfig,
+    SFTModelArguments,
+    SFTScriptArguments,
+    build_sft_trainer,
+    lora_config,
+)
 
 WORDS = "the king and queen of love shall die good night sweet prince my lord what is this".split()
 
@@ -248,6 +255,37 @@ def test_eval_loss_is_token_weighted_and_perplexity_its_exp(tmp_path, tokenizers
     assert math.isclose(metrics["check_loss"], expected, rel_tol=1e-5)
     assert math.isclose(metrics["check_perplexity"], math.exp(expected), rel_tol=1e-5)
     assert metrics["check_supervised_tokens"] == sum(sum(x != -100 for x in r[1:]) for r in data.eval["labels"])
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_training_metrics_survive_a_last_partial_batch(tmp_path, tokenizers, packing):
+    # 7 training rows in batches of 3: the last batch of the epoch holds 1 row, where accelerate's gather_for_metrics
+    # cuts what it gathers to 1 element (it broke the per-rank [correct, count] pair of the accuracy)
+    tokenizer = tokenizers["l3gpt"]
+    data_file = write_chat_jsonl(chats("good", 5, seed=0) + chats("night", 5, seed=2), tmp_path / "d.jsonl")
+    data = load_sft_data(tokenizer, data_file, val_split=0.3, seed=0, max_length=64)
+    args = SFTLoRAConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, num_train_epochs=1,
+                         eval_strategy="no", load_best_model_at_end=False, save_strategy="no", max_length=64,
+                         packing=packing, logging_steps=1, report_to="none", disable_tqdm=True, seed=0)
+    trainer = HFL3SFTTrainer(model=tiny_l3gpt(tokenizer), args=args, train_dataset=data.train,
+                             processing_class=tokenizer, peft_config=lora_config(SFTModelArguments(lora_r=4)))
+    rows = trainer.train_dataset
+    assert len(rows) % 3 == 1
+    trainer.train()
+    assert trainer._total_train_tokens == sum(len(ids) for ids in rows["input_ids"])
+    accuracies = [entry["mean_token_accuracy"] for entry in trainer.state.log_history if "mean_token_accuracy" in entry]
+    assert len(accuracies) == math.ceil(len(rows) / 3) and all(0 <= a <= 1 for a in accuracies)
+
+
+@pytest.mark.parametrize("max_length, warned", [(128, False), (256, True)])
+def test_max_length_beyond_the_trained_positions_is_warned(tmp_path, l3gpt_folder, caplog, max_length, warned):
+    data_file = write_chat_jsonl(chats("good", 8, seed=0), tmp_path / "d.jsonl")
+    args = SFTLoRAConfig(output_dir=str(tmp_path / "out"), max_length=max_length, report_to="none")
+    with caplog.at_level("WARNING", logger="hfl3.trainers.sft"):
+        trainer, _, _ = build_sft_trainer(SFTScriptArguments(train_file=str(data_file), val_split=0.25), args,
+                                          SFTModelArguments(model_name_or_path=str(l3gpt_folder), lora_r=4))
+    assert trainer.model.config.max_position_embeddings == 128
+    assert ("exceeds the base model's max_position_embeddings 128" in caplog.text) == warned
 
 
 def test_datasets_without_labels_are_refused(tmp_path, tokenizers):

@@ -189,15 +189,18 @@ class HFL3SFTTrainer(SFTTrainer):
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # Like Trainer.compute_loss: num_items_in_batch counts every rank's tokens and DDP averages the gradients
             loss = loss * self.accelerator.num_processes
+        # Per-rank sums are gathered with `gather`, not `gather_for_metrics`: at the last batch of an epoch the
+        # latter cuts what it gathers to the dataset's remainder of samples, which is meaningless for sums (and broke
+        # on the [correct, count] pair when the remainder was 1)
         with torch.no_grad():
             correct = ((logits.argmax(dim=-1) == targets) & valid).sum()
-            correct, count_all = self.accelerator.gather_for_metrics(torch.stack([correct, count])).view(-1, 2).sum(0)
+            correct, count_all = self.accelerator.gather(torch.stack([correct, count])).view(-1, 2).sum(0)
             self._metrics[mode]["mean_token_accuracy"].append((correct / count_all.clamp(min=1)).item())
         if mode == "train":
             # Padding-free (packed) batches have no attention mask and no padding
             ids = inputs["input_ids"]
             real_tokens = inputs["attention_mask"].sum() if "attention_mask" in inputs else ids.new_tensor(ids.numel())
-            self._total_train_tokens += self.accelerator.gather_for_metrics(real_tokens).sum().item()
+            self._total_train_tokens += self.accelerator.gather(real_tokens).sum().item()
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
         return loss
 
@@ -399,6 +402,13 @@ def build_sft_trainer(
         skip_invalid_records=script_args.skip_invalid_records,
     )
     model = load_causal_lm(model_args, training_args)
+    trained_length = getattr(model.config, "max_position_embeddings", None)
+    if trained_length and training_args.max_length and training_args.max_length > trained_length:
+        logger.warning(
+            "max_length %d exceeds the base model's max_position_embeddings %d: positions beyond it were never "
+            "trained (RoPE extrapolates, quality may drop); pass --max_length %d to stay inside",
+            training_args.max_length, trained_length, trained_length,
+        )
     peft_config = lora_config(model_args)
     metadata = build_metadata(
         data=data.provenance,
