@@ -192,10 +192,13 @@ class L3Routing(NamedTuple):
     pair_offsets: torch.LongTensor
 
 
+@torch.compiler.disable
 def l3_routing(input_ids: torch.LongTensor, l3_bounds: torch.LongTensor) -> L3Routing:
     """Pairs (token, row) for `input_ids` of any shape, token t owning rows `l3_bounds[t]:l3_bounds[t+1]`.
 
-    Costs one device→host sync (the pair count). Shared by all L3 layers of a forward pass.
+    Costs one device→host sync (the pair count). Shared by all L3 layers of a forward pass. Runs outside
+    `torch.compile` graphs (`torch.compiler.disable`, as does `LargeLookupLayer.lookup`): the pair count changes with
+    every batch, and inside a graph each new count compiled a new graph.
     """
     ids = input_ids.reshape(-1)
     starts = l3_bounds[ids]
@@ -273,6 +276,7 @@ class LargeLookupLayer(GradientCheckpointingLayer):
         self.mix_proj = with_init(mix_proj, "zeros")
         self.norm = L3GPTRMSNorm(config.rms_norm_eps)
 
+    @torch.compiler.disable
     def lookup(self, x: torch.Tensor, routing: L3Routing) -> torch.Tensor:
         """`V_tᵀ softmax(K_t x / √C)` for normed hidden states `x` of shape `(N, C)`; returns `(N, C)`."""
         num_tokens, width = x.shape
