@@ -8,11 +8,13 @@ Tolerances, from the 2026-11-21 measurements on a 2-core CPU (dev/LOG.md, issue 
 - AdamW, 2 processes vs 1: weights within 1.7e-5 (relative Frobenius norm per tensor), eval loss within 5e-7.
   Allowed: 1e-4 and 1e-5. ZeRO-2 gave weights bit-identical to DDP; ZeRO-3 matched to the same 1.7e-5.
 - Muon, 2 processes vs 1: weights within 1.7e-3 (the AdamW-driven scalars and embeddings: near-zero gradients
-  divided by sqrt(v) turn round-off into +-lr steps), eval loss within 9e-5. Allowed: 1e-2 and 1e-3; training on
-  half the global batch instead (no all-reduce) moves the weights by far more (`test_muon_tolerance_can_tell`).
+  divided by sqrt(v) turn round-off into +-lr steps), eval loss within 9e-5; after `encodings/` left the stdlib
+  corpus (other documents), the L3 key table differed by 2.8e-2. Allowed: 5e-2 and 1e-3; training on half the
+  global batch instead (no all-reduce) moves the weights by 4.1 (`test_muon_tolerance_can_tell`).
 - Resuming from the step-10 checkpoint: bit-identical weights and eval loss in both DDP and ZeRO-2. Allowed: 1e-6.
-- SFT LoRA, 2 processes vs 1 (DDP, ZeRO-2, ZeRO-3): adapters within 3.9e-7, equal eval loss. Allowed: 1e-5 and
-  1e-5. (The recipe evaluates at step 0 inside train(); an evaluate() before train() left DDP unwrapped and gave
+- SFT LoRA, 2 processes vs 1 (DDP, ZeRO-2, ZeRO-3): adapters within 3.9e-7, equal eval loss; on the base model
+  trained from the new corpus, 1.4e-5 (DDP, ZeRO-3) and 5.3e-5 (ZeRO-2): reduction-order round-off. Allowed: 1e-3
+  and 1e-5 (without the gradient all-reduce the eval loss was 1e-2 off). (The recipe evaluates at step 0 inside train(); an evaluate() before train() left DDP unwrapped and gave
   ZeRO an inference engine.)
 """
 
@@ -27,9 +29,9 @@ from safetensors.torch import load_file
 pytestmark = pytest.mark.distributed
 
 ADAMW_WEIGHTS_RTOL, ADAMW_LOSS_ATOL = 1e-4, 1e-5
-MUON_WEIGHTS_RTOL, MUON_LOSS_ATOL = 1e-2, 1e-3
+MUON_WEIGHTS_RTOL, MUON_LOSS_ATOL = 5e-2, 1e-3
 RESUME_RTOL = 1e-6
-SFT_ADAPTER_RTOL, SFT_LOSS_ATOL = 1e-5, 1e-5
+SFT_ADAPTER_RTOL, SFT_LOSS_ATOL = 1e-3, 1e-5
 MIN_BPB_DROP = 0.25  # 20 steps lower the validation bpb by 0.6 (Muon) to 0.9 (AdamW); round-off is ~1e-4
 WORLD_SIZE = 2
 
@@ -163,10 +165,10 @@ def test_muon_is_refused_under_zero2(zero2):
 
 
 @pytest.mark.slow
-def test_pretrain_stops_when_accelerate_sets_up_world_size_1(ddp):
+def test_pretrain_stops_when_accelerate_sets_up_world_size_1(ddp_without_use_cpu):
     """Without --use_cpu and without CUDA, accelerate 1.15 gives each of the 2 launched processes world size 1: they
     would train alone and write the same folder. The recipe compares torchrun's WORLD_SIZE and stops, naming the fix."""
-    records = ddp.run("pretrain_without_use_cpu")
+    records = ddp_without_use_cpu.run("pretrain_without_use_cpu")
     assert len(records) == WORLD_SIZE
     for record in records:
         assert record["world_size"] == 1, record
