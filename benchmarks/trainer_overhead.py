@@ -10,9 +10,15 @@ Both start from the same weights, read the same rows in the same order (sequenti
 optimizer and schedule, so their weights must agree at the end: the table reports the largest difference as the
 proof of equivalence. The first `warmup_steps` pairs are dropped; medians over `rounds × steps` pairs.
 
+On CUDA both paths run bf16 autocast (the Trainer's `--bf16`; the plain loop's `torch.autocast`), optionally
+`torch.compile`d (`--compile`), at nanochat's d12 shape by default (rows repeat when the text is shorter than the
+run: timing does not depend on the text), and the device is synchronised at each step boundary, so a step's time
+includes the device work it waits for: the Trainer's per-step host syncs show up as lost overlap.
+
     python benchmarks/trainer_overhead.py
     python benchmarks/trainer_overhead.py --optimizer adamw --dense   # no L3 layer, AdamW
     OMP_NUM_THREADS=1 python benchmarks/trainer_overhead.py --json benchmarks/results/trainer_overhead_cpu.json
+    python benchmarks/trainer_overhead.py --dense --compile true --json benchmarks/results/trainer_overhead_h100.json
 
 On a shared 2-core box use `OMP_NUM_THREADS=1`: two OpenMP threads per process on busy cores stall at barriers.
 """
@@ -24,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import datasets
 import torch
 from torch.utils.data import DataLoader
 from transformers import HfArgumentParser, TrainerCallback, get_scheduler, set_seed
@@ -39,15 +46,21 @@ from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
 ASSETS = Path(os.environ.get("HFL3_ASSETS", Path(__file__).resolve().parents[2] / "shared" / "assets"))
 
 
+# Sizes when a field is left unset: a tiny model on CPU, nanochat's d12 on a GPU.
+CPU_SIZES = dict(vocab_size=2048, seq_len=128, batch_size=8, depth=2, head_dim=64)
+GPU_SIZES = dict(vocab_size=32768, seq_len=2048, batch_size=16, depth=12, head_dim=128)
+
+
 @dataclass
 class OverheadArguments:
     text_file: str = field(default=str(ASSETS / "text" / "tinyshakespeare.txt"), metadata={"help": "training text"})
-    vocab_size: int = field(default=2048, metadata={"help": "BPE vocabulary trained on the text"})
-    seq_len: int = field(default=128, metadata={"help": "packed row length (tokens)"})
-    batch_size: int = field(default=8, metadata={"help": "rows per step"})
-    depth: int = field(default=2, metadata={"help": "decoder layers"})
+    vocab_size: int | None = field(default=None, metadata={"help": "BPE vocabulary (2048 CPU, 32768 CUDA)"})
+    seq_len: int | None = field(default=None, metadata={"help": "packed row length, tokens (128 CPU, 2048 CUDA)"})
+    batch_size: int | None = field(default=None, metadata={"help": "rows per step (8 CPU, 16 CUDA)"})
+    depth: int | None = field(default=None, metadata={"help": "decoder layers (2 CPU, 12 CUDA)"})
     aspect_ratio: int = field(default=64, metadata={"help": "hidden_size = depth * aspect_ratio"})
-    head_dim: int = field(default=64, metadata={"help": "attention head width"})
+    head_dim: int | None = field(default=None, metadata={"help": "attention head width (64 CPU, 128 CUDA)"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model in both paths"})
     l3_after_layers: list[int] = field(default_factory=lambda: [0], metadata={"help": "L3 layers"})
     dense: bool = field(default=False, metadata={"help": "no L3 layer (ignore l3_after_layers)"})
     optimizer: str = field(default="muon", metadata={"help": "muon (MuonAdamW) or adamw"})
@@ -55,6 +68,16 @@ class OverheadArguments:
     warmup_steps: int = field(default=5, metadata={"help": "step pairs dropped at the start of each round"})
     rounds: int = field(default=2, metadata={"help": "fresh models and Trainer per round"})
     json: str | None = field(default=None, metadata={"help": "write the results here (JSON)"})
+
+    def __post_init__(self):
+        for name, default in (GPU_SIZES if torch.cuda.is_available() else CPU_SIZES).items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def build_data(args: OverheadArguments):
@@ -64,9 +87,8 @@ def build_data(args: OverheadArguments):
     tokens = text.tokenize_documents(text.chunk_documents(corpus, 2 * args.seq_len), tokenizer)
     packed, _ = text.pack_best_fit(tokens, args.seq_len)
     needed = (args.warmup_steps + args.steps + 1) * args.batch_size
-    if len(packed) < needed:
-        raise ValueError(f"{args.text_file} gives {len(packed)} rows of {args.seq_len} tokens; the run needs "
-                         f"{needed}: lower --steps or --batch_size")
+    if len(packed) < needed:  # timing does not depend on the text: repeat the rows
+        packed = datasets.concatenate_datasets([packed] * -(-needed // len(packed)))
     allocation_sample = tokens["input_ids"][:2000]
     return tokenizer, packed, allocation_sample
 
@@ -108,9 +130,13 @@ def plain_loop(model, training_args: PretrainConfig, dataset, collator):
             "min_lr_ratio": training_args.final_lr_frac, "decay_type": "linear"},
     )
     model.train()
+    forward = torch.compile(model) if training_args.torch_compile else model
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=training_args.bf16)
     for batch in DataLoader(dataset, batch_size=training_args.per_device_train_batch_size, collate_fn=collator):
+        batch = {key: value.to(training_args.device) for key, value in batch.items()}
         num_items_in_batch = batch["labels"][:, 1:].ne(-100).sum()
-        loss = model(**batch, num_items_in_batch=num_items_in_batch).loss
+        with autocast:
+            loss = forward(**batch, num_items_in_batch=num_items_in_batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), training_args.max_grad_norm)
         optimizer.step()
@@ -129,24 +155,28 @@ class AlternatingSteps(TrainerCallback):
         self.last = None
 
     def on_step_end(self, args, state, control, **kwargs):
+        synchronize()
         now = time.perf_counter()
         if self.last is not None:
             self.trainer_times.append(now - self.last)
         next(self.plain_steps)
+        synchronize()
         self.last = time.perf_counter()
         self.plain_times.append(self.last - now)
 
 
 def run_round(args: OverheadArguments, tokenizer, packed, allocation_sample, output_dir: str, seed: int) -> dict:
     """One round: fresh identical models, the Trainer driving, the plain loop stepped alongside."""
-    trainer_model = build_model(args, tokenizer, allocation_sample, seed)
-    plain_model = build_model(args, tokenizer, allocation_sample, seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    trainer_model = build_model(args, tokenizer, allocation_sample, seed).to(device)
+    plain_model = build_model(args, tokenizer, allocation_sample, seed).to(device)
     steps = args.warmup_steps + args.steps + 1  # the first Trainer interval ends at the 2nd step
     training_args = PretrainConfig(
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=args.batch_size,
         optimizer=args.optimizer, warmup_steps=3, eval_strategy="no", train_sampling_strategy="sequential",
         logging_steps=min(10, steps),
         report_to="none", seed=seed, dataloader_num_workers=0, dataloader_pin_memory=False,
+        bf16=torch.cuda.is_available(), torch_compile=args.compile,
     )
     collator = PackedCollator(tokenizer.bos_token_id)
     alternating = AlternatingSteps(plain_loop(plain_model, training_args, packed, collator))
@@ -182,9 +212,12 @@ def main(args: OverheadArguments) -> dict:
         "trainer_seconds": trainer_times, "plain_seconds": plain_times,
     }
     tokens = args.batch_size * args.seq_len
-    print(f"\nTrainer overhead: L3GPT depth {args.depth}, L3 after {'none' if args.dense else args.l3_after_layers}, "
-          f"{args.optimizer}, batch {args.batch_size}×{args.seq_len}, {len(paired)} alternating step pairs "
-          f"({args.rounds} rounds), {torch.get_num_threads()} threads")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} threads)"
+    results["device"] = device
+    print(f"\nTrainer overhead on {device}: L3GPT depth {args.depth}, L3 after "
+          f"{'none' if args.dense else args.l3_after_layers}, {args.optimizer}, batch {args.batch_size}×{args.seq_len}, "
+          f"compile {args.compile}, {'bf16' if torch.cuda.is_available() else 'fp32'}, {len(paired)} alternating step "
+          f"pairs ({args.rounds} rounds)")
     print(f"{'path':<14}{'median ms':>10}{'mean ms':>9}{'p10 ms':>8}{'p90 ms':>8}{'tok/s':>8}")
     for name, times in (("plain loop", plain_times), ("hfl3 Trainer", trainer_times)):
         deciles = statistics.quantiles(times, n=10)

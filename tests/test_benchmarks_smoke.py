@@ -1,5 +1,5 @@
 """Plumbing of the issue-8 benchmarks: FLOPs accounting and time bookkeeping of l3_vs_dense, that
-trainer_overhead's plain loop is step-for-step equivalent to the Trainer, that gpu_pretrain runs on CPU.
+trainer_overhead's plain loop is step-for-step equivalent to the Trainer, that vs_nanochat runs on CPU.
 No speed is asserted (speed lives in the benchmark tables)."""
 
 import sys
@@ -15,11 +15,11 @@ from hfl3.tokenization import train_tokenizer
 @pytest.fixture(scope="module")
 def bench(repo_root):
     sys.path.insert(0, str(repo_root / "benchmarks"))
-    import gpu_pretrain
     import l3_vs_dense
     import trainer_overhead
+    import vs_nanochat
 
-    yield l3_vs_dense, trainer_overhead, gpu_pretrain
+    yield l3_vs_dense, trainer_overhead, vs_nanochat
     sys.path.remove(str(repo_root / "benchmarks"))
 
 
@@ -103,16 +103,19 @@ def test_plain_loop_is_step_for_step_equivalent_to_trainer(bench, assets, tmp_pa
     assert result["max_abs_param_difference"] == 0.0
 
 
-def test_gpu_pretrain_runs_tiny_on_cpu(bench, tmp_path):
-    gpu_pretrain, l3_vs_dense = bench[2], bench[0]
+def test_vs_nanochat_runs_hfl3_alone_on_cpu(bench, tmp_path):
+    vs_nanochat = bench[2]
     if torch.cuda.is_available():
         pytest.skip("checks the CPU fallback sizes")
-    args = gpu_pretrain.GPUPretrainArguments(depth=1, seq_len=32, batch_size=2, vocab_size=256, steps=1,
-                                             warmup_steps=1, compile=["false"], l3=["false", "true"],
-                                             json=str(tmp_path / "out.json"))
-    output = gpu_pretrain.main(args)
-    dense, l3 = output["results"]
-    assert (dense["l3"], l3["l3"]) == (False, True) and l3["table_parameters"] > 0 == dense["table_parameters"]
-    assert dense["flops_per_token"] == flops_per_token(gpu_pretrain.make_config(args, False), 32)
-    assert l3["flops_per_token"] > flops_per_token(gpu_pretrain.make_config(args, True), 32)
-    assert dense["mfu"] is None and dense["tok_per_sec"] > 0 and (tmp_path / "out.json").exists()
+    args = vs_nanochat.VsNanochatArguments(depth=1, seq_len=32, batch_size=2, vocab_size=256, steps=2,
+                                           warmup_steps=1, json=str(tmp_path / "out.json"))
+    assert args.arms == ["hfl3", "hfl3_l3"]  # nanochat needs --nanochat_dir
+    args.arms = ["hfl3"]
+    output = vs_nanochat.main(args)
+    (dense,) = output["results"]
+    assert dense["arm"] == "hfl3" and dense["table_parameters"] == 0 and dense["tok_per_sec"] > 0
+    config = L3GPTConfig.from_depth(1, vocab_size=256, head_dim=64, max_position_embeddings=32)
+    assert dense["flops_per_token"] == flops_per_token(config, 32)
+    assert dense["mfu"] is None and (tmp_path / "out.json").exists()
+    with pytest.raises(ValueError, match="no nanochat/gpt.py"):
+        vs_nanochat.VsNanochatArguments(nanochat_dir=str(tmp_path))

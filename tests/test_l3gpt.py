@@ -162,6 +162,26 @@ def test_sdpa_equals_eager_with_sliding_window():
     assert not torch.allclose(full(ids).logits[:, 10:], sdpa[:, 10:], atol=1e-4)  # the window changes the result
 
 
+def test_whole_causal_rows_skip_the_mask_for_sdpa(monkeypatch):
+    """Rows without position_ids, padding or cache reach SDPA with no mask (its causal flash kernel) and give the
+    logits of the masked path; eager attention still gets its mask."""
+    from hfl3.models.l3gpt import modeling_l3gpt
+
+    built = []
+    original = modeling_l3gpt.create_causal_mask
+    monkeypatch.setattr(modeling_l3gpt, "create_causal_mask", lambda **kw: built.append(1) or original(**kw))
+    model = skewed_model(tiny_config(window_pattern="L"))
+    ids = torch.randint(0, VOCAB, (2, 30))
+    plain = model(ids).logits
+    assert built == []
+    masked = model(ids, position_ids=torch.arange(30)[None].expand(2, -1)).logits
+    assert built == [1]
+    torch.testing.assert_close(plain, masked, rtol=1e-5, atol=1e-5)
+    model.config._attn_implementation = "eager"
+    torch.testing.assert_close(model(ids).logits, plain, rtol=1e-5, atol=1e-5)
+    assert built == [1, 1]
+
+
 def test_greedy_generate_with_cache_equals_full_recompute():
     model = skewed_model(tiny_config()).eval()
     with torch.no_grad():

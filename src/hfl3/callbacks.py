@@ -104,38 +104,50 @@ def l3_lookup_flops_per_token(config, routed_mean_rows: float) -> float:
 
 
 class ThroughputCallback(TrainerCallback):
-    """Adds `tok_per_sec` (input tokens per second across all processes, over the steps since the last log) and,
-    on a GPU with a known peak, `mfu` (%) to every training log, skipping the first `warmup_steps` steps; logs
-    `peak_memory_gb` (CUDA max allocated, or process peak RSS on CPU) at the end of training."""
+    """Adds `tok_per_sec` (input tokens per second across all processes, between two training logs) and, on a GPU
+    with a known peak, `mfu` (%) to every training log after the first `warmup_steps` steps; logs `peak_memory_gb`
+    (CUDA max allocated, or process peak RSS on CPU) at the end of training.
+
+    Clock: the Trainer reads the loss (`.item()`, a device sync) just before each log, so the time between two logs
+    covers finished device work without this callback adding a sync of its own; evaluation and checkpoint saving
+    are left out (the window restarts when they end)."""
 
     def __init__(self, flops_per_token: float | None = None, warmup_steps: int = 10):
         self.flops_per_token = flops_per_token
         self.warmup_steps = warmup_steps
         self.peak = peak_flops_per_second()
-        self._mark: tuple[float, int] | None = None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        import time
-
-        if state.global_step == self.warmup_steps or (self._mark is None and state.global_step > self.warmup_steps):
-            self._mark = (time.perf_counter(), state.num_input_tokens_seen)
+        self._mark: tuple[float, int, int] | None = None  # (seconds, tokens seen, step) at the last log
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         import time
 
-        if logs is None or "loss" not in logs or self._mark is None or state.global_step <= self.warmup_steps:
+        if logs is None or "loss" not in logs:
             return
         now, tokens = time.perf_counter(), state.num_input_tokens_seen
-        seconds, new_tokens = now - self._mark[0], tokens - self._mark[1]
+        mark, self._mark = self._mark, (now, tokens, state.global_step)
+        if mark is None or mark[2] < self.warmup_steps:
+            return
+        seconds, new_tokens = now - mark[0], tokens - mark[1]
         if seconds <= 0 or new_tokens <= 0:
             return
         extra = {"tok_per_sec": round(new_tokens / seconds, 1)}
         if self.peak and self.flops_per_token:
             extra["mfu"] = round(100 * extra["tok_per_sec"] * self.flops_per_token / (self.peak * args.world_size), 2)
-        self._mark = (now, tokens)
         logs.update(extra)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)
+
+    def _restart_window(self) -> None:
+        import time
+
+        if self._mark is not None:
+            self._mark = (time.perf_counter(), *self._mark[1:])
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._restart_window()
+
+    def on_save(self, args, state, control, **kwargs):
+        self._restart_window()
 
     def on_train_end(self, args, state, control, **kwargs):
         import resource

@@ -1,6 +1,7 @@
 """Pretraining L3GPT with the HF Trainer: `PretrainConfig`, the packed-row collator, bits-per-byte evaluation and
 `L3GPTTrainer` (optimizer and LR-schedule hooks)."""
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -9,6 +10,8 @@ import torch
 from transformers import EvalPrediction, Trainer, TrainingArguments
 
 from hfl3 import fp8
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -22,7 +25,9 @@ class PretrainConfig(TrainingArguments):
     constant → linear warmdown over the last `warmdown_ratio` of the steps to `final_lr_frac` × LR),
     `learning_rate=3e-3`, `weight_decay=0.0`, `adam_beta2=0.95`, `max_grad_norm=1.0`, `eval_strategy="steps"`,
     `logging_steps=10`, `save_strategy="no"`, `remove_unused_columns=False`,
-    `include_num_input_tokens_seen=True` ("all"), `save_safetensors` always (transformers v5).
+    `include_num_input_tokens_seen=True` ("all", counted without a per-step device sync by `L3GPTTrainer`),
+    `logging_nan_inf_filter=False` (transformers' filter syncs the device every step and logs a non-finite loss as
+    the running mean, hiding a divergence), `save_safetensors` always (transformers v5).
     Pass `--optim` as usual for the AdamW variant; `--optimizer muon` selects Muon whatever `--optim` says.
     """
 
@@ -44,6 +49,7 @@ class PretrainConfig(TrainingArguments):
     save_strategy: str = field(default="no", metadata={"help": "see TrainingArguments"})
     remove_unused_columns: bool = field(default=False, metadata={"help": "see TrainingArguments"})
     include_num_input_tokens_seen: str | bool = field(default=True, metadata={"help": "see TrainingArguments"})
+    logging_nan_inf_filter: bool = field(default=False, metadata={"help": "see TrainingArguments"})
 
     def __post_init__(self):
         if self.optimizer not in ("adamw", "muon"):
@@ -52,6 +58,11 @@ class PretrainConfig(TrainingArguments):
             raise ValueError(f"fp8={self.fp8!r}; expected tensorwise, rowwise or unset")
         if not 0 <= self.warmdown_ratio <= 1:
             raise ValueError(f"warmdown_ratio={self.warmdown_ratio} must be in [0, 1]")
+        if self.fp8 and not self.torch_compile:
+            logger.warning(
+                "fp8=%s without torch_compile: the per-tensor scaling runs as separate eager kernels and the step is "
+                "slower than bf16 (0.65x bf16 on an H100 at d12 and d20, dev/LOG.md 2026-11-23); add "
+                "--torch_compile true", self.fp8)
         super().__post_init__()
 
 
@@ -111,11 +122,13 @@ class BitsPerByte:
 
 
 class L3GPTTrainer(Trainer):
-    """HF Trainer for pretraining. Overrides only the optimizer (one place: `create_optimizer`) and the default
-    WSD schedule's step counts; evaluation runs with hfl3 FP8 layers swapped back to high precision."""
+    """HF Trainer for pretraining. Overrides the optimizer (one place: `create_optimizer`), the default WSD
+    schedule's step counts and the input-token count (no device sync per step); evaluation runs with hfl3 FP8
+    layers swapped back to high precision."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._pending_input_tokens = 0
         if self.args.optimizer == "muon":
             from hfl3.optim import refuse_sharded_training
 
@@ -162,6 +175,26 @@ class L3GPTTrainer(Trainer):
             kwargs.setdefault("decay_type", "linear")
             self.args.lr_scheduler_kwargs = kwargs
         return super().create_scheduler(num_training_steps, optimizer)
+
+    def _track_num_input_tokens(self, inputs):
+        """Count input tokens on the host (`numel` is metadata: no device sync). transformers 5.23 gathers the count
+        across processes and calls `.item()` after every micro-batch, which stalls the host behind the device each
+        step; here the count is summed across processes only when the Trainer logs, saves, evaluates or stops (see
+        `_maybe_log_save_evaluate`), so `state.num_input_tokens_seen` is exact whenever it is read or written."""
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if self.args.include_num_input_tokens_seen != "all" or main_input not in inputs:
+            return super()._track_num_input_tokens(inputs)
+        self._pending_input_tokens += inputs[main_input].numel()
+
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        control = self.control
+        if control.should_log or control.should_save or control.should_evaluate or control.should_training_stop:
+            pending = self._pending_input_tokens
+            if self.args.world_size > 1:  # a collective: every process reaches it at the same step
+                pending = int(self.accelerator.gather(torch.tensor([pending], device=self.args.device)).sum())
+            self.state.num_input_tokens_seen += pending
+            self._pending_input_tokens = 0
+        return super()._maybe_log_save_evaluate(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
         with fp8.float8_disabled(self.model):

@@ -180,6 +180,10 @@ class L3GPTMLP(nn.Module):
         return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
+# Attention implementations that apply causality themselves when given no mask (`is_causal` / `causal=True`).
+CAUSAL_FLAG_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
 class L3Routing(NamedTuple):
     """Static routing of N = batch·seq tokens to their L3 table rows, as P = Σ_t d_t (token, row) pairs.
 
@@ -442,6 +446,7 @@ class L3GPTModel(L3GPTPreTrainedModel):
             use_cache = self.config.use_cache and not self.training
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        plain_causal_rows = position_ids is None and attention_mask is None and past_key_values is None
         if position_ids is None:
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen
@@ -453,9 +458,15 @@ class L3GPTModel(L3GPTPreTrainedModel):
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 past_key_values=past_key_values,
-                position_ids=position_ids,
+                position_ids=None if plain_causal_rows else position_ids,
             )
-            mask_mapping = {"full_attention": create_causal_mask(**mask_kwargs)}
+            if plain_causal_rows and self.config._attn_implementation in CAUSAL_FLAG_ATTENTION:
+                # Whole causal rows (training, scoring): no mask, so SDPA and flash run their causal kernels.
+                # transformers' helper would build a dense (B, 1, T, T) mask under torch.compile with torch < 2.14
+                # (`_ignore_causal_mask_sdpa`), which keeps SDPA off its flash kernel.
+                mask_mapping = {"full_attention": None}
+            else:
+                mask_mapping = {"full_attention": create_causal_mask(**mask_kwargs)}
             if "sliding_attention" in self.config.layer_types:
                 mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
 

@@ -1,0 +1,152 @@
+"""The Trainer path around a pretraining step: no device→host synchronisation between logs (issue 12, item 4), and
+the token count and throughput it reports stay exact."""
+
+import datasets
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from transformers import TrainerCallback
+
+from hfl3 import L3GPTConfig, L3GPTForCausalLM
+from hfl3.callbacks import ThroughputCallback
+from hfl3.tokenization import train_tokenizer
+from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
+
+SEQ_LEN, BATCH = 64, 4
+# Tensor → Python conversions: each one waits for the device to finish all queued work.
+SYNCING_CALLS = {"item", "__bool__", "__int__", "__float__", "__index__", "tolist", "numpy"}
+
+
+@pytest.fixture(scope="module")
+def rows(assets):
+    text = (assets / "text" / "tinyshakespeare.txt").read_text()[:60_000]
+    tokenizer = train_tokenizer([text], 512)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    body = SEQ_LEN - 1
+    rows = [[tokenizer.bos_token_id, *ids[i : i + body]] for i in range(0, len(ids) - body, body)]
+    return tokenizer, datasets.Dataset.from_dict({"input_ids": rows[: 16 * BATCH]})
+
+
+class SyncRecorder(TorchFunctionMode):
+    """Records the tensor→Python conversions made between the first step's start and the last step's end, except
+    inside `Trainer._maybe_log_save_evaluate` (logging reads the loss on purpose) and on optimizer step counters
+    (0-D host tensors that torch's AdamW keeps on the CPU whatever the parameters' device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.active = False
+        self.calls: list[tuple[int, str, object]] = []
+        self.step = 0
+        self.host_counters: list[torch.Tensor] = []
+
+    def device_syncs(self, step: int) -> list[str]:
+        return [name for s, name, tensor in self.calls
+                if s == step and not any(tensor is counter for counter in self.host_counters)]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if self.active and name in SYNCING_CALLS and args:
+            self.calls.append((self.step, name, args[0]))
+        return func(*args, **(kwargs or {}))
+
+
+class StepMarks(TrainerCallback):
+    def __init__(self, recorder: SyncRecorder, trainer_ref: list):
+        self.recorder, self.trainer_ref = recorder, trainer_ref
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.recorder.step = state.global_step + 1
+        self.recorder.active = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        optimizer = self.trainer_ref[0].optimizer
+        self.recorder.host_counters = [value for param_state in optimizer.state.values()
+                                       for key, value in param_state.items() if key == "step" and torch.is_tensor(value)]
+
+
+def train(rows, tmp_path, l3_after_layers, optimizer, max_steps=7, logging_steps=3, attend_across_documents=True):
+    tokenizer, dataset = rows
+    config = L3GPTConfig.from_depth(2, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
+                                    max_position_embeddings=SEQ_LEN, l3_after_layers=l3_after_layers,
+                                    bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(0)
+    model = L3GPTForCausalLM(config)
+    args = PretrainConfig(output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=BATCH,
+                          logging_steps=logging_steps, eval_strategy="no", report_to="none", optimizer=optimizer,
+                          warmup_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+                          attend_across_documents=attend_across_documents)
+    recorder, trainer_ref = SyncRecorder(), []
+    throughput = ThroughputCallback(warmup_steps=1)
+    trainer = L3GPTTrainer(model=model, args=args, train_dataset=dataset,
+                           data_collator=PackedCollator(tokenizer.bos_token_id, attend_across_documents),
+                           callbacks=[StepMarks(recorder, trainer_ref), throughput])
+    trainer_ref.append(trainer)
+    log_save_evaluate = trainer._maybe_log_save_evaluate
+
+    def outside_recording(*args, **kwargs):
+        recorder.active = False
+        return log_save_evaluate(*args, **kwargs)
+
+    trainer._maybe_log_save_evaluate = outside_recording
+    with recorder:
+        trainer.train()
+    return trainer, recorder
+
+
+@pytest.mark.parametrize(
+    "l3_after_layers, optimizer, attend_across_documents, syncs_per_step",
+    [([], "adamw", True, 0), ([], "muon", True, 0),
+     # L3's routing reads its pair count once per forward (`l3_routing`, by design)
+     ([0], "muon", True, 1),
+     # block-causal rows: transformers' mask helpers check once per mask type (full, sliding) whether position_ids
+     # mark packed documents (`find_packed_sequence_indices`; skipped under torch.compile)
+     ([], "adamw", False, 2)],
+    ids=["dense-adamw", "dense-muon", "l3-muon", "packed-documents"],
+)
+def test_no_device_sync_between_logs(rows, tmp_path, l3_after_layers, optimizer, attend_across_documents,
+                                     syncs_per_step):
+    trainer, recorder = train(rows, tmp_path, l3_after_layers, optimizer,
+                              attend_across_documents=attend_across_documents)
+    assert trainer.state.global_step == 7
+    per_step = {step: recorder.device_syncs(step) for step in range(1, 8)}
+    assert all(len(calls) == syncs_per_step for calls in per_step.values()), per_step
+
+
+def test_token_count_and_throughput_are_exact_without_per_step_sync(rows, tmp_path):
+    trainer, _ = train(rows, tmp_path, [], "adamw", max_steps=7, logging_steps=3)
+    assert trainer.state.num_input_tokens_seen == 7 * BATCH * SEQ_LEN
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["num_input_tokens_seen"] for entry in logged] == [3 * BATCH * SEQ_LEN, 6 * BATCH * SEQ_LEN]
+    # the first log (step 3) opens the window; the second reports the tokens of steps 4–6 over its seconds
+    assert "tok_per_sec" not in logged[0] and logged[1]["tok_per_sec"] > 0
+
+
+def test_the_recorder_sees_the_syncs_transformers_would_make(rows, tmp_path):
+    """Guard: with transformers' own NaN/inf filter and token counting back on, the recorder reports them, so a zero
+    count above means absent, not unseen."""
+    tokenizer, dataset = rows
+    config = L3GPTConfig.from_depth(1, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
+                                    max_position_embeddings=SEQ_LEN, bos_token_id=tokenizer.bos_token_id)
+    args = PretrainConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=BATCH,
+                          logging_steps=10, eval_strategy="no", report_to="none", logging_nan_inf_filter=True,
+                          disable_tqdm=True)
+    recorder, trainer_ref = SyncRecorder(), []
+    trainer = L3GPTTrainer(model=L3GPTForCausalLM(config), args=args, train_dataset=dataset,
+                           data_collator=PackedCollator(tokenizer.bos_token_id),
+                           callbacks=[StepMarks(recorder, trainer_ref)])
+    trainer_ref.append(trainer)
+    trainer._track_num_input_tokens = lambda inputs: super(L3GPTTrainer, trainer)._track_num_input_tokens(inputs)
+    with recorder:
+        trainer.train()
+    names = recorder.device_syncs(1)
+    assert names.count("__bool__") >= 1 and names.count("item") >= 1, names
+
+
+def test_fp8_without_compile_warns_at_start(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="hfl3.trainers.pretrain"):
+        PretrainConfig(output_dir=str(tmp_path), fp8="tensorwise", report_to="none")
+    assert "without torch_compile" in caplog.text and "--torch_compile true" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hfl3.trainers.pretrain"):
+        PretrainConfig(output_dir=str(tmp_path), fp8="tensorwise", torch_compile=True, report_to="none")
+    assert "without torch_compile" not in caplog.text
