@@ -18,18 +18,18 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import hfl3  # before transformers: keeps torchao's import-time warnings out of the launch (hfl3/fp8/ao.py)
 import torch
 from transformers import AutoModelForCausalLM, set_seed
 from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
 from trl import TrlParser
 
-import hfl3
 from hfl3 import L3GPTConfig, L3GPTForCausalLM, fp8, provenance
 from hfl3.callbacks import LossPlotCallback, SampleCallback, ThroughputCallback, flops_per_token
 from hfl3.data import text
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
-from hfl3.trainers.launch import check_world_size
+from hfl3.trainers.launch import check_world_size, parse_recipe_args
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 
 logger = logging.getLogger("hfl3.pretrain")
@@ -154,8 +154,7 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
     if ao_fp8:
         logger.info("fp8 through accelerate's torchao backend: %s", ao_fp8)
     if training_args.fp8:
-        logger.info("fp8 %s: converted %s", training_args.fp8,
-                    fp8.convert_to_float8_training(model, recipe=training_args.fp8))
+        fp8.convert_to_float8_training(model, recipe=training_args.fp8)  # logs the converted layers
     logger.info("model: %.2fM parameters (%.2fM in L3 tables)", model.num_parameters() / 1e6,
                 sum(p.numel() for n, p in model.named_parameters() if "_table" in n) / 1e6)
 
@@ -228,4 +227,4 @@ def finish_folder(output_dir: str, metadata: dict, metrics: dict, prompt: str) -
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(*make_parser().parse_args_and_config())
+    main(*parse_recipe_args(make_parser()))

@@ -1,9 +1,10 @@
 """LoRA SFT of a causal LM on chat JSONL, with the loss on assistant tokens only.
 
 The model can be any local folder or Hub id that `AutoModelForCausalLM` loads (Llama, Qwen2/3, Gemma2/3, ...), a
-GGUF file (`--gguf_file NAME` inside `--model_name_or_path FOLDER`; needs the `gguf` package) or an L3GPT from
-`recipes/pretrain.py`. Data: `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}` per line;
-masks come from the model's own chat template (`hfl3.data.chat`); check them with
+GGUF file (`--gguf_file NAME` inside `--model_name_or_path FOLDER`, dequantized for training; needs
+`pip install 'hfl3[gguf]'`) or an L3GPT from `recipes/pretrain.py`.
+Data: `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}` per line; masks come from the model's
+own chat template (`hfl3.data.masks`); check them with
 `python -m hfl3.data.inspect --tokenizer MODEL --data FILE --n 3`.
 
 GSM8K on a small model (CPU):
@@ -44,7 +45,7 @@ from trl import TrlParser
 
 from hfl3.callbacks import save_loss_plot
 from hfl3.provenance import push_folder_to_hub, write_json_atomic
-from hfl3.trainers.launch import check_world_size
+from hfl3.trainers.launch import check_world_size, parse_recipe_args
 from hfl3.trainers.sft import (
     SFTLoRAConfig,
     SFTModelArguments,
@@ -148,5 +149,5 @@ def make_parser(subparsers=None):
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    script_args, training_args, model_args = make_parser().parse_args_and_config()
+    script_args, training_args, model_args = parse_recipe_args(make_parser())
     main(script_args, training_args, model_args)

@@ -6,7 +6,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from hfl3.data.chat import InvalidChatRecord, load_sft_data, read_chat_jsonl
+from hfl3.data.chat import InvalidChatRecord, read_chat_jsonl
+from hfl3.data.sft import load_sft_data
 from hfl3.trainers.sft import SFTLoRAConfig, SFTModelArguments, SFTScriptArguments, build_sft_trainer
 
 

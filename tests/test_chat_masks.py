@@ -4,6 +4,7 @@ L3GPT ChatML tokenizer), cross-checked against TRL's `{% generation %}` training
 import importlib
 import inspect
 import re
+import sys
 
 import pytest
 import torch
@@ -15,16 +16,9 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data import inspect as inspect_cli
-from hfl3.data.chat import (
-    AssistantMasker,
-    ChatDataStats,
-    ChatRecord,
-    encode_records,
-    stdlib_docstring_chats,
-    stdlib_docstring_functions,
-    validate_messages,
-    write_chat_jsonl,
-)
+from hfl3.data.chat import ChatDataStats, ChatRecord, validate_messages, write_chat_jsonl
+from hfl3.data.masks import AssistantMasker, encode_records
+from hfl3.data.stdlib import stdlib_docstring_chats, stdlib_docstring_functions
 from hfl3.tokenization import train_tokenizer
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -238,7 +232,7 @@ def test_packed_conversations_keep_their_labels_and_do_not_attend_to_each_other(
     assert not torch.allclose(leaky[first:], packed_logits[first:], atol=1e-3)
 
 
-def test_inspect_marks_exactly_the_supervised_text(tmp_path, capsys, assets):
+def test_inspect_marks_exactly_the_supervised_text(tmp_path, capsys, monkeypatch, assets):
     messages = chat("Hi 👋", "Hello! 😀", "2+2?", "4", system="Be brief.")
     data = write_chat_jsonl([{"messages": list(messages)}, {"messages": "not a list"}], tmp_path / "chats.jsonl")
     tokenizer = str(assets / "tokenizers" / "qwen3")
@@ -249,6 +243,10 @@ def test_inspect_marks_exactly_the_supervised_text(tmp_path, capsys, assets):
     inspect_cli.main(["--tokenizer", tokenizer, "--data", str(data), "--plain", "--max_length", "12"])
     out = capsys.readouterr().out
     assert "✂" in out and "[[" not in out and "tokens 12 (of " in out
+    inspect_cli.main(["--tokenizer", tokenizer, "--data", str(data)])  # not a terminal: no ANSI codes
+    out = capsys.readouterr().out
+    assert "\033[" not in out and out.count("[[") == 2
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     inspect_cli.main(["--tokenizer", tokenizer, "--data", str(data)])
     out = capsys.readouterr().out
     assert out.count(inspect_cli.GREEN) == 2 and "[[" not in out

@@ -19,16 +19,15 @@ from hfl3.fp8 import (
     E5M2,
     FORMAT_MAX,
     Float8Linear,
-    _pad_inner,
     ao_recipe_kwargs,
     check_ao_backend,
     convert_to_float8_training,
     first_and_last_projections,
     float8_disabled,
-    has_float8,
     quantize,
     select_float8_layers,
 )
+from hfl3.fp8.linear import _pad_inner
 
 MANTISSA_BITS = {E4M3: 3, E5M2: 2}
 
@@ -74,6 +73,15 @@ def tiny_l3gpt_config(vocab_size: int = 256) -> L3GPTConfig:
         2, vocab_size=vocab_size, aspect_ratio=64, head_dim=64, max_position_embeddings=128, window_pattern="L",
         l3_after_layers=[0], l3_n_emb=1024, l3_k_max=16, l3_d_up=128, l3_tie_kv=True,
     )
+
+
+def float8_layer_names(model: nn.Module) -> list[str]:
+    """Names of the FP8 layers (hfl3's `Float8Linear` or torchao's), in `named_modules()` order."""
+    return [name for name, module in model.named_modules() if type(module).__name__ == "Float8Linear"]
+
+
+def has_float8(model: nn.Module) -> bool:
+    return bool(float8_layer_names(model))
 
 
 # Projections of the tiny L3GPT that hfl3 converts: all but layer 0's q/k/v (read the embedding) and lm_head.
@@ -280,7 +288,8 @@ def test_l3gpt_first_last_and_converted_names():
     first, last = first_and_last_projections(model)
     assert first == {f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")}
     assert last == {"lm_head"}
-    assert convert_to_float8_training(model, recipe="rowwise") == EXPECTED_CONVERTED
+    assert convert_to_float8_training(model, recipe="rowwise") is model  # like torchao's
+    assert float8_layer_names(model) == EXPECTED_CONVERTED
     converted = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert converted == set(EXPECTED_CONVERTED) and has_float8(model)
     assert all(model.get_submodule(n).recipe == "rowwise" for n in converted)
@@ -289,8 +298,9 @@ def test_l3gpt_first_last_and_converted_names():
 
 def test_module_filter_replaces_policy_but_not_the_multiple_of_16_rule():
     model = Stack()
-    names = convert_to_float8_training(model, module_filter=lambda module, name: name != "body.big")
-    assert names == ["stem", "body.narrow", "body.kept", "head"]  # odd/wide_out still skipped (dims % 16)
+    convert_to_float8_training(model, module_filter=lambda module, name: name != "body.big")
+    # odd/wide_out still skipped (dims % 16)
+    assert float8_layer_names(model) == ["stem", "body.narrow", "body.kept", "head"]
 
 
 def test_conversion_keeps_parameters_and_refuses_a_second_pass():

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.data.chat import load_sft_data, read_chat_jsonl, write_chat_jsonl
+from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
+from hfl3.data.sft import load_sft_data
 from hfl3.provenance import sha256_file, sha256_records
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.sft import (

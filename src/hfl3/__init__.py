@@ -4,9 +4,14 @@
 (idempotent: importing twice, or alongside remote code, is harmless).
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from .fp8.ao import torchao_import_messages_kept
 
-from .models.l3gpt import L3GPTConfig, L3GPTForCausalLM, L3GPTModel
+# transformers imports torchao (when installed) with its model code; its import-time warnings are kept for the AO
+# FP8 backend instead of printed at every launch (hfl3/fp8/ao.py)
+with torchao_import_messages_kept():
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from .models.l3gpt import L3GPTConfig, L3GPTForCausalLM, L3GPTModel
 
 __version__ = "0.1.0"
 

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 BOS_TOKEN = "<|bos|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -93,7 +94,7 @@ def token_bytes(tokenizer: PreTrainedTokenizerBase) -> torch.LongTensor:
     """
     backend = tokenizer.backend_tokenizer
     byte_level = _uses_byte_level(backend)
-    byte_decoder = {char: byte for byte, char in _bytes_to_unicode().items()}
+    byte_decoder = {char: byte for byte, char in bytes_to_unicode().items()}  # GPT-2's byte alphabet
     special_ids = set(tokenizer.all_special_ids) | {
         index for index, added in tokenizer.added_tokens_decoder.items() if added.special
     }
@@ -120,16 +121,3 @@ def _uses_byte_level(backend: Tokenizer) -> bool:
 
     return walk(backend.pre_tokenizer) or walk(backend.decoder)
 
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte → printable-unicode table (openai/gpt-2, encoder.py `bytes_to_unicode`)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    mapping, shift = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            mapping[byte] = chr(byte)
-        else:
-            mapping[byte] = chr(256 + shift)
-            shift += 1
-    return mapping

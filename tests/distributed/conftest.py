@@ -124,7 +124,8 @@ def distributed_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def sft_chats(distributed_dir) -> Path:
     """32 chats about stdlib functions, written once and read by every SFT run (one file for all launches)."""
-    from hfl3.data.chat import stdlib_docstring_chats, write_chat_jsonl
+    from hfl3.data.chat import write_chat_jsonl
+    from hfl3.data.stdlib import stdlib_docstring_chats
 
     return write_chat_jsonl(stdlib_docstring_chats(SFT_CHATS, seed=0), distributed_dir / "stdlib_chats.jsonl")
 

@@ -1,9 +1,37 @@
-"""Checks on how a recipe was launched, shared by `recipes/pretrain.py` and `recipes/sft_lora.py`."""
+"""How a recipe is started, shared by `recipes/pretrain.py` and `recipes/sft_lora.py`: its arguments parsed with one
+clear message on a bad one, and checks on how it was launched."""
 
 import logging
 import os
+from collections.abc import Sequence
+
+import yaml
 
 logger = logging.getLogger(__name__)
+
+
+def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
+    """`parser.parse_args_and_config(args)` (a TRL `TrlParser`: `--config FILE`, then command-line overrides), where
+    a bad argument stops the program with one message instead of argparse's usage of every option (hundreds of
+    lines) or a traceback: `usage: PROG [--config FILE] [options] (--help lists them)`, then
+    `PROG: error: <what is wrong>`, exit status 2 (argparse's convention).
+
+    Bad arguments: those argparse rejects (an invalid value, a missing one), flags no argument class declares, a
+    `--config` file that cannot be read or is not a YAML mapping, and values an argument class rejects in its
+    `__post_init__` (`ValueError`/`TypeError`, e.g. `--eval_strategy bogus`).
+
+    Args:
+        parser: the recipe's `TrlParser` (its `usage` is shortened as above).
+        args: the arguments (default: `sys.argv[1:]`).
+
+    Returns:
+        The parsed dataclasses, as `parse_args_and_config` returns them.
+    """
+    parser.usage = "%(prog)s [--config FILE] [options] (--help lists them)"
+    try:
+        return parser.parse_args_and_config(args)
+    except (ValueError, TypeError, OSError, yaml.YAMLError) as error:
+        parser.error(str(error))
 
 
 def check_world_size(training_args) -> int:

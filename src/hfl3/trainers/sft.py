@@ -16,11 +16,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, EarlyStoppingCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer, EarlyStoppingCallback, GgufConfig
 from trl import ModelConfig, SFTConfig, SFTTrainer
 
 import hfl3  # noqa: F401  (registers L3GPT with the Auto classes)
-from hfl3.data.chat import SFTData, load_sft_data, stdlib_docstring_chats, write_chat_jsonl
+from hfl3.data.chat import write_chat_jsonl
+from hfl3.data.sft import SFTData, load_sft_data
+from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.provenance import add_safetensors_metadata, sha256_records, write_json_atomic, write_model_card
 
 logger = logging.getLogger(__name__)
@@ -60,8 +62,8 @@ class SFTModelArguments(ModelConfig):
 
     Differences from `trl.ModelConfig`: `use_peft` defaults to True (this recipe trains LoRA adapters),
     `lora_target_modules` to `["q_proj", "v_proj"]` (module names, or `all-linear`); added `gguf_file` (a GGUF file
-    in the `model_name_or_path` folder, loaded by transformers; needs the `gguf` package) and
-    `tokenizer_name_or_path`.
+    in the `model_name_or_path` folder, dequantized into a dense trainable model, its tokenizer used unless
+    `tokenizer_name_or_path` is given; needs `pip install 'hfl3[gguf]'`) and `tokenizer_name_or_path`.
     """
 
     use_peft: bool = field(default=True, metadata={"help": "Train LoRA adapters (the only mode of this recipe)."})
@@ -69,7 +71,9 @@ class SFTModelArguments(ModelConfig):
         default_factory=lambda: ["q_proj", "v_proj"],
         metadata={"help": "Module names to adapt with LoRA, or 'all-linear'."},
     )
-    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside model_name_or_path to load."})
+    gguf_file: str | None = field(
+        default=None, metadata={"help": "GGUF file inside model_name_or_path to load (dequantized to train it)."}
+    )
     tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Tokenizer folder if not the model's own."}
     )
@@ -124,7 +128,7 @@ class HFL3SFTTrainer(SFTTrainer):
     """TRL's `SFTTrainer` for pre-tokenized, pre-masked rows, with provenance on every save.
 
     Differences from `SFTTrainer`:
-    - every dataset must carry `labels` (-100 off the loss): hfl3 masks and truncates itself (`hfl3.data.chat`),
+    - every dataset must carry `labels` (-100 off the loss): hfl3 masks and truncates itself (`hfl3.data.masks`),
       so a dataset without them would silently train on every token and is refused;
     - off CUDA/XPU (CPU, MPS) the loss is computed from logits at the supervised positions only (`compute_loss`):
       TRL's fused LM head compacts to those positions only where Triton runs and otherwise scores every position
@@ -149,7 +153,7 @@ class HFL3SFTTrainer(SFTTrainer):
             dataset = kwargs.get(name)
             columns = getattr(dataset, "column_names", None) or []
             if "input_ids" in columns and "labels" not in columns:
-                raise ValueError(f"{name} has input_ids but no labels; build it with hfl3.data.chat.load_sft_data")
+                raise ValueError(f"{name} has input_ids but no labels; build it with hfl3.data.sft.load_sft_data")
         super().__init__(*args, **kwargs)
         self.provenance = provenance
         self._eval_nll_sum = self._eval_token_count = None
@@ -307,7 +311,16 @@ def load_tokenizer(model_args: SFTModelArguments, training_args: SFTLoRAConfig):
 
 def load_causal_lm(model_args: SFTModelArguments, training_args: SFTLoRAConfig):
     """`AutoModelForCausalLM.from_pretrained` of a local folder or Hub id, a GGUF file (`gguf_file`) or an L3GPT
-    checkpoint (registered by `import hfl3`), in `model_args.dtype` (float32 by default)."""
+    checkpoint (registered by `import hfl3`), in `model_args.dtype` (float32 by default).
+
+    A GGUF file is dequantized: every weight (Q8_0, Q4_K, F16, ...) becomes a dense tensor in `model_args.dtype`, and
+    the model carries no quantizer, so PEFT and the Trainer train it like any other. (transformers otherwise keeps
+    its GGUF quantizer on the model, which the Trainer refuses: "quantized with QuantizationMethod.GGUF ... do not
+    support training".)
+
+    Raises:
+        ImportError: `gguf_file` without the `gguf` package (transformers reads Llama/Qwen/Gemma GGUF files with it).
+    """
     kwargs = dict(
         dtype=model_args.dtype,
         attn_implementation=model_args.attn_implementation,
@@ -315,7 +328,8 @@ def load_causal_lm(model_args: SFTModelArguments, training_args: SFTLoRAConfig):
         revision=model_args.model_revision,
     )
     if model_args.gguf_file:
-        kwargs["gguf_file"] = model_args.gguf_file
+        # dequantize=True: HfQuantizer.postprocess_model then drops the quantizer and quantization_config
+        kwargs.update(gguf_file=model_args.gguf_file, quantization_config=GgufConfig(dequantize=True))
     return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
 
 

@@ -1,8 +1,8 @@
 """FP8 training for `nn.Linear`: dynamic tensorwise or rowwise scaling, e4m3 operands forward, e5m2 gradients.
 
 `convert_to_float8_training(model, recipe=...)` turns the eligible `nn.Linear` layers of a model into
-[`Float8Linear`] in place; `float8_disabled(model)` switches them back to the plain high-precision matmul for
-evaluation and sampling; `has_float8(model)` tells whether a model has any. A `Float8Linear` *is* an `nn.Linear`
+[`Float8Linear`] in place and returns the model (as torchao's function of that name does); `float8_disabled(model)`
+switches them back to the plain high-precision matmul for evaluation and sampling. A `Float8Linear` *is* an `nn.Linear`
 with the same `weight` / `bias` parameters, so its `state_dict` keys and values are those of the plain layer: a
 checkpoint of a converted model loads into a model that was never converted.
 
@@ -27,18 +27,12 @@ Where the matmuls run:
   are those of FP8 operands with a high-precision accumulator; there is no speed gain. torch 2.13's CPU
   build also has a `_scaled_mm`; `Float8Linear.use_scaled_mm = True` forces it (the tests use that to check both
   paths agree), but it is not the default off CUDA.
-
-The torchao path (accelerate's `fp8_config: {backend: AO}`, `accelerate_configs/fp8_ao.yaml`) is separate:
-`check_ao_backend` validates such a launch before the Trainer builds its Accelerator, and `ao_recipe_kwargs`
-gives accelerate the same layer selection as `convert_to_float8_training`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
-import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -333,7 +327,7 @@ def select_float8_layers(
 
 def convert_to_float8_training(
     model: nn.Module, recipe: str = "tensorwise", module_filter: Callable[[nn.Linear, str], bool] | None = None
-) -> list[str]:
+) -> nn.Module:
     """Turn the eligible `nn.Linear` layers of `model` into `Float8Linear` in place (rules: `select_float8_layers`).
 
     Call it after building (or loading) the model and before creating the optimizer, `torch.compile` or
@@ -346,7 +340,8 @@ def convert_to_float8_training(
             multiple-of-16 rule always applies).
 
     Returns:
-        The names of the converted layers (skipped layers and their reasons are logged at INFO).
+        `model` itself, like `torchao.float8.convert_to_float8_training`. The converted layers, and the skipped ones
+        with their reasons, are logged at INFO.
 
     Raises:
         ValueError: on an unknown recipe, or if the model already has FP8 layers (hfl3's or torchao's: convert once,
@@ -362,21 +357,17 @@ def convert_to_float8_training(
     selected, skipped = select_float8_layers(model, module_filter)
     for name in selected:
         Float8Linear.from_linear(model.get_submodule(name), recipe)
-    logger.info("FP8 %s: converted %d nn.Linear layers, skipped %d", recipe, len(selected), len(skipped))
+    logger.info("FP8 %s: converted %d nn.Linear layers (%s), skipped %d", recipe, len(selected), ", ".join(selected),
+                len(skipped))
     for name, reason in skipped.items():
         logger.info("FP8 skip %s: %s", name, reason)
-    return selected
+    return model
 
 
 def _is_float8(module: nn.Module) -> bool:
     return isinstance(module, Float8Linear) or (
         type(module).__name__ == "Float8Linear" and type(module).__module__.startswith("torchao")
     )
-
-
-def has_float8(model: nn.Module) -> bool:
-    """True if `model` has an hfl3 `Float8Linear` or a torchao `Float8Linear`."""
-    return any(_is_float8(module) for module in model.modules())
 
 
 @contextlib.contextmanager
@@ -399,93 +390,3 @@ def float8_disabled(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for layer, enabled in zip(layers, previous):
             layer.fp8_enabled = enabled
-
-
-def check_ao_backend(training_args, model: nn.Module | None = None) -> dict | None:
-    """Validate an `accelerate launch` that asks for FP8 through accelerate's torchao (AO) backend.
-
-    Reads what `accelerate launch --config_file accelerate_configs/fp8_ao.yaml` exports
-    (`ACCELERATE_MIXED_PRECISION`, `ACCELERATE_FP8_BACKEND`, `ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER`,
-    `ACCELERATE_FP8_PAD_INNER_DIM`) and `training_args.mixed_precision` (transformers' `TrainingArguments`).
-    Call it before building the Trainer: each failure below would otherwise surface later inside accelerate 1.15
-    (or not at all).
-
-    Returns:
-        `None` when no AO FP8 is requested; else a dict for the run log: `backend`, `recipe` ("tensorwise", the
-        only one accelerate's yaml can select), `enable_fsdp_float8_all_gather`, `pad_inner_dim`.
-
-    Raises:
-        ValueError: backend given as lower-case `ao` (`--fp8_backend ao`, which accelerate 1.15 rejects);
-            `ACCELERATE_FP8_BACKEND=AO` without mixed_precision fp8; `training_args.bf16`/`fp16` overriding fp8;
-            float8 all-gather on (save_pretrained fails); `model` already converted by `convert_to_float8_training`.
-        ImportError: torchao missing.
-    """
-    env = os.environ
-    backend = env.get("ACCELERATE_FP8_BACKEND", "NO")
-    launched_fp8 = env.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "fp8"
-    if backend.upper() == "AO" and backend != "AO":
-        raise ValueError(
-            f"ACCELERATE_FP8_BACKEND={backend!r} (from `accelerate launch --fp8_backend ao`): accelerate 1.15 only "
-            "accepts upper-case 'AO'; launch with --config_file accelerate_configs/fp8_ao.yaml instead"
-        )
-    if backend == "AO" and not launched_fp8:
-        raise ValueError(
-            "ACCELERATE_FP8_BACKEND=AO but mixed_precision is not fp8: accelerate 1.15 would still call torchao "
-            "and fail with \"'NoneType' object has no attribute 'config'\"; set mixed_precision: fp8 in the "
-            "accelerate config (accelerate_configs/fp8_ao.yaml does)"
-        )
-    torchao_found = importlib.util.find_spec("torchao") is not None
-    if not launched_fp8 or backend not in ("AO", "NO") or (backend == "NO" and not torchao_found):
-        return None  # no FP8, or accelerate's TE / MS-AMP backends: not ours to check
-    if not torchao_found:
-        raise ImportError("accelerate's AO backend needs torchao: pip install 'hfl3[fp8]'")
-    if training_args.mixed_precision != "fp8":
-        raise ValueError(
-            f"accelerate was launched with mixed_precision fp8 but TrainingArguments resolved mixed_precision="
-            f"{training_args.mixed_precision!r} (bf16={training_args.bf16}, fp16={training_args.fp16} override it): "
-            "pass --bf16 false --fp16 false; accelerate's AO backend autocasts to bf16 itself"
-        )
-    all_gather = env.get("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "true").lower() in ("1", "true", "yes", "on")
-    if all_gather:
-        raise ValueError(
-            "enable_fsdp_float8_all_gather is on (accelerate's default): torchao then wraps the weights in a tensor "
-            "subclass that save_pretrained cannot serialise; set fp8_config: {enable_fsdp_float8_all_gather: false} "
-            "as accelerate_configs/fp8_ao.yaml does"
-        )
-    if model is not None and any(isinstance(m, Float8Linear) for m in model.modules()):
-        raise ValueError(
-            "the model was converted by hfl3.fp8.convert_to_float8_training (--fp8) and accelerate's AO backend is "
-            "on too; pick one FP8 path"
-        )
-    return {
-        "backend": "AO",
-        "recipe": "tensorwise",
-        "enable_fsdp_float8_all_gather": False,
-        "pad_inner_dim": env.get("ACCELERATE_FP8_PAD_INNER_DIM", "true").lower() in ("1", "true", "yes", "on"),
-    }
-
-
-def ao_recipe_kwargs(model: nn.Module, recipe: str = "tensorwise"):
-    """accelerate `AORecipeKwargs` that convert exactly the layers `select_float8_layers(model)` picks.
-
-    accelerate's own default filter keeps only the first and last `nn.Linear` (so layer 0's `k_proj`/`v_proj` and
-    layers smaller than 128 become FP8); pass this in `Accelerator(kwargs_handlers=[...])` (with the HF Trainer:
-    append it to `kwargs_handlers` in an override of `Trainer._build_accelerator_args`) to apply hfl3's rules to the
-    torchao backend as well. float8 all-gather stays off (see `check_ao_backend`). Note that torchao's "rowwise"
-    recipe casts gradients to e4m3 with power-of-two scales, where hfl3's rowwise uses e5m2.
-
-    Args:
-        model: the model that will be given to `accelerator.prepare` (names are matched against it).
-        recipe: torchao recipe name, `"tensorwise"` or `"rowwise"`.
-
-    Raises:
-        ImportError: torchao missing.
-        ValueError: on an unknown recipe.
-    """
-    from accelerate.utils import AORecipeKwargs
-    from torchao.float8 import Float8LinearConfig
-
-    _check_recipe(recipe)
-    selected = set(select_float8_layers(model)[0])
-    config = Float8LinearConfig.from_recipe_name(recipe)  # float8 all-gather off in both recipes
-    return AORecipeKwargs(config=config, module_filter_func=lambda module, name: name in selected)
