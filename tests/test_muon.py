@@ -100,9 +100,10 @@ def test_orthogonalize_with_fixed_coefficients_equals_torch_newton_schulz():
         assert torch.equal(ours, theirs)
 
 
-def test_orthogonalize_rejects_non_matrices():
-    with pytest.raises(ValueError, match="2-D"):
-        orthogonalize(torch.randn(4, 4, 4))
+@pytest.mark.parametrize("shape", [(16,), (2, 3, 4, 4)])
+def test_orthogonalize_rejects_what_is_neither_a_matrix_nor_a_stack(shape):
+    with pytest.raises(ValueError, match="2-D matrix or a 3-D stack"):
+        orthogonalize(torch.randn(shape))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -326,6 +327,8 @@ def test_create_muon_optimizer_maps_training_arguments(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hfl3.optim.groups"):
         optimizer = create_muon_optimizer(model, args, momentum_warmup_steps=10, matrix_lr=0.03)
     assert "learning_rate=5e-05 is not used" in caplog.text
+    assert optimizer.compile_update is None  # MuonAdamW's default: compiled on CUDA only
+    assert create_muon_optimizer(model, args, compile_update=True).compile_update is True
     for group in optimizer.param_groups:
         assert group["num_training_steps"] == 6  # from args.max_steps
         if group["kind"] == "muon":

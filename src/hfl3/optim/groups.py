@@ -124,7 +124,11 @@ def param_groups_by_kind(
 
 
 def create_muon_optimizer(
-    model: nn.Module, args, num_training_steps: int | None = None, **hyperparameters
+    model: nn.Module,
+    args,
+    num_training_steps: int | None = None,
+    compile_update: bool | None = None,
+    **hyperparameters,
 ) -> MuonAdamW:
     """Build a `MuonAdamW` for `model` from a `TrainingArguments`, ready for `Trainer(optimizers=...)`.
 
@@ -147,6 +151,8 @@ def create_muon_optimizer(
         - `args.adam_beta1`, `args.adam_beta2`, `args.adam_epsilon` -> every AdamW group (nanochat uses
           0.8, 0.95, 1e-10; transformers' defaults are 0.9, 0.999, 1e-8).
         - `num_training_steps` (or `args.max_steps` when positive) sets the weight-decay decay horizon.
+
+    `compile_update`: `MuonAdamW`'s (None: each same-shape stack's Muon update is `torch.compile`d on CUDA only).
 
     Other `hyperparameters`: `hidden_size` (LR scale) and any Muon group key of `MUON_DEFAULTS`
     (`momentum`, `momentum_warmup_start`, `momentum_warmup_steps`, `beta2`, `cautious_weight_decay`,
@@ -188,7 +194,7 @@ def create_muon_optimizer(
             group.update(hyperparameters, weight_decay=args.weight_decay)
         else:
             group.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-    return MuonAdamW(groups, num_training_steps=num_training_steps)
+    return MuonAdamW(groups, num_training_steps=num_training_steps, compile_update=compile_update)
 
 
 def refuse_sharded_training(args) -> None:

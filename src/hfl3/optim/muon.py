@@ -13,7 +13,29 @@ Muon (https://kellerjordan.github.io/posts/muon/) on a 2-D weight `W` of shape `
     W   <- W - lr·wd·W·[O ⊙ W >= 0]                           cautious weight decay, arXiv 2510.12402
     W   <- W - lr·sqrt(max(1, rows/cols))·O                   shape-aware LR (Keller Jordan's "original")
 
-Everything else is AdamW through `torch.optim.adamw.adamw`, so that part is torch's own code.
+Everything else is AdamW through torch's own `torch.optim.adamw.adamw`: `fused=True` on accelerators,
+`foreach=True` on the CPU (bit-identical to `torch.optim.AdamW` there).
+
+Speed (issue 12; nanochat/optim.py does the same): the matrices of a Muon group are split into *stacks* of
+same-shape (and dtype, device) matrices, and the whole update of a stack runs on `(k, rows, cols)` tensors with
+batched matmuls (`muon_update`), so a step launches kernels per distinct shape, not per matrix: at d12 with an
+L3 layer the 74 matrices are 4 stacks. With `compile_update` (default: on CUDA) the stack update is one
+`torch.compile`d graph; the scheduled values (LR, momentum, weight decay) enter it as 0-D CPU tensors, so a new
+value is not a recompile. A step does no per-parameter checks and no host-device synchronisation (its only work
+per parameter is collecting the `.grad`s): the whole-matrix checks run when a group is added and when its
+parameter list is replaced (as accelerate and DeepSpeed do after creation). The price is transient memory: the
+weights and gradients of the stack being updated are copied into `(k, rows, cols)` tensors, as nanochat does.
+
+State: `optimizer.state[p]` holds per-parameter tensors, as torch's optimizers do — Muon's `momentum_buffer`
+`(rows, cols)` and `second_moment` `(rows, 1)` or `(1, cols)` (fp32), AdamW's `step`, `exp_avg`, `exp_avg_sq` —
+so `state_dict()` has the format every `torch.optim` consumer expects and checkpoints of the per-parameter
+implementation (before issue 12) load unchanged. The Muon tensors are views into one stacked buffer per stack,
+allocated at the first step (on the parameters' device, after the Trainer moved the model). `torch.save`
+writes each stacked buffer once; `load_state_dict` copies the loaded values into fresh stacks (keeping
+`second_moment` in fp32, which torch's loader would cast to a bf16 parameter's dtype), so a resume continues
+bit-identically. A parameter whose `.grad` is None at a step is skipped, as `torch.optim` does: its weight,
+momentum and moments stay as they are (its stack runs on the matrices that have a gradient; AdamW's lists are
+filtered). Its state exists from the first step on, as zeros, which is what a later first update starts from.
 
 Schedules (as nanochat's base_train): the Muon momentum warms up linearly from 0.85 to 0.95 over the
 first 300 optimizer steps, and every group's weight decay decays linearly to 0 over
@@ -25,16 +47,22 @@ Distributed: under DDP the optimizer sees whole matrices with averaged gradients
 Under DeepSpeed ZeRO it would see flattened 1-D partitions and under FSDP2 DTensor shards, where
 orthogonalising a shard is not orthogonalising the matrix: both are refused with an error, at
 creation (`create_muon_optimizer` reads accelerate's state, the launcher's environment and the
-TrainingArguments) and again at every step (the parameters themselves are checked).
+TrainingArguments) and when a group's parameters are checked (see above). A stack is also the unit
+that a sharded Muon (issue 16) distributes: an owner rank gathers whole matrices into its slice of a
+stack, runs `muon_update` on it, and scatters the result, its state being that slice.
 
 Grouping a model's parameters and building the optimizer from `TrainingArguments`: `hfl3.optim.groups`.
 """
 
+import logging
 import math
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch.optim.adamw import adamw
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+logger = logging.getLogger(__name__)
 
 # Polar Express coefficients, arXiv 2505.16932 (Amsel, Persson, Musco, Gower), computed for num_iters=5,
 # safety_factor=2e-2, cushion=2; the values nanochat (nanochat/optim.py) and modded-nanogpt use.
@@ -64,6 +92,7 @@ MUON_DEFAULTS = {
 }
 ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.8, 0.95), "eps": 1e-10, "weight_decay": 0.0}
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+_SCHEDULED = ("momentum", "lr", "weight_decay")  # the values that change between steps
 
 
 def orthogonalize(
@@ -81,55 +110,122 @@ def orthogonalize(
     coefficients the singular values of the result land near 1 (in [0.85, 1.15] for inputs whose
     singular values all exceed 1e-3 of the Frobenius norm); with Keller Jordan's fixed
     (3.4445, -4.7750, 2.0315) repeated five times this is exactly `torch.optim.Muon`'s iteration.
+    A stack of matrices is orthogonalised matrix by matrix with batched matmuls (`bmm`/`baddbmm`,
+    `3 · len(coefficients)` calls whatever `k`); a single matrix with `mm`/`addmm`.
 
     Args:
-        matrix (`torch.Tensor` of shape `(rows, cols)`): the update to orthogonalise, any float dtype.
+        matrix (`torch.Tensor` of shape `(rows, cols)` or `(k, rows, cols)`): the update(s), any float dtype.
         coefficients: one `(a, b, c)` per step; the number of steps is `len(coefficients)`.
-        norm_safety: the input is divided by `norm_safety · ‖matrix‖_F` (clamped below by `eps`).
+        norm_safety: each matrix is divided by `norm_safety · ‖matrix‖_F` (clamped below by `eps`).
         dtype: dtype of the iteration; bf16 is what the coefficients were designed for.
 
     Returns:
-        `torch.Tensor` of shape `(rows, cols)` in `dtype`.
+        `torch.Tensor` of the input's shape, in `dtype`.
 
     Raises:
-        ValueError: if `matrix` is not 2-D.
+        ValueError: if `matrix` is neither 2-D nor 3-D.
     """
-    if matrix.ndim != 2:
-        raise ValueError(f"orthogonalize: expected a 2-D matrix, got shape {tuple(matrix.shape)}")
+    if matrix.ndim not in (2, 3):
+        raise ValueError(
+            f"orthogonalize: expected a 2-D matrix or a 3-D stack of matrices, got shape {tuple(matrix.shape)}"
+        )
     x = matrix.to(dtype)
-    tall = x.size(0) > x.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:
-        x = x.T
-    norm = x.norm()
+        x = x.mT
+    norm = x.norm(dim=(-2, -1), keepdim=True)
     if norm_safety != 1.0:
         norm = norm * norm_safety
     x = x / norm.clamp(min=eps)
+    # addmm rather than b·A + c·A@A: one rounding in bf16, and the same kernels as torch.optim.Muon
+    multiply_add = torch.addmm if x.ndim == 2 else torch.baddbmm
     for a, b, c in coefficients:
-        gram = x @ x.T  # (rows, rows) with rows <= cols
-        # addmm rather than b·A + c·A@A: one rounding in bf16, and the same kernels as torch.optim.Muon
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT  # (k, rows, rows) with rows <= cols
+        x = multiply_add(x, multiply_add(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
 
 
-def normuon_rescale(update: torch.Tensor, second_moment: torch.Tensor, beta2: float) -> torch.Tensor:
+def normuon_rescale(
+    update: torch.Tensor, second_moment: torch.Tensor, beta2: float | torch.Tensor
+) -> torch.Tensor:
     """NorMuon variance reduction (arXiv 2510.05491, as in nanochat/optim.py): per-neuron adaptive scale.
 
     Keeps an EMA of the mean squared update per row (when `rows >= cols`) or per column, divides the
-    update by its square root, then rescales so the Frobenius norm is unchanged.
+    update by its square root, then rescales so that each matrix's Frobenius norm is unchanged.
 
     Args:
-        update (`torch.Tensor` of shape `(rows, cols)`): the orthogonalised update.
-        second_moment (`torch.Tensor` of shape `(rows, 1)` or `(1, cols)`, fp32): EMA, updated in place.
+        update (`torch.Tensor` of shape `(rows, cols)` or `(k, rows, cols)`): the orthogonalised update(s).
+        second_moment (`torch.Tensor` of shape `([k,] rows, 1)` or `([k,] 1, cols)`, fp32): EMA, updated in place.
         beta2: EMA decay of `second_moment`.
 
     Returns:
-        `torch.Tensor` of shape `(rows, cols)`, fp32.
+        `torch.Tensor` of the update's shape, fp32.
     """
     update = update.float()
     reduce_dim = -1 if update.size(-2) >= update.size(-1) else -2
     second_moment.lerp_(update.square().mean(dim=reduce_dim, keepdim=True), 1 - beta2)
     scaled = update * second_moment.clamp_min(1e-10).rsqrt()
-    return scaled * (update.norm() / scaled.norm().clamp_min(1e-10))
+    frobenius = (-2, -1)
+    return scaled * (
+        update.norm(dim=frobenius, keepdim=True) / scaled.norm(dim=frobenius, keepdim=True).clamp_min(1e-10)
+    )
+
+
+def muon_update(
+    params: torch.Tensor,
+    grads: torch.Tensor,
+    momentum_buffer: torch.Tensor,
+    second_moment: torch.Tensor | None,
+    *,
+    momentum: float | torch.Tensor,
+    lr: float | torch.Tensor,
+    weight_decay: float | torch.Tensor,
+    beta2: float | None,
+    nesterov: bool,
+    cautious_weight_decay: bool,
+    coefficients: Sequence[tuple[float, float, float]],
+    norm_safety: float,
+    eps: float,
+    dtype: torch.dtype,
+) -> None:
+    """One Muon step of `k` same-shape matrices, in place (the formulas of the module docstring).
+
+    The scheduled values `momentum`, `lr`, `weight_decay` are Python floats (eager: `add_`'s `alpha` then gives
+    the same bits as `torch.optim.Muon`) or 0-D float32 CPU tensors (under `torch.compile`: a new value is not a
+    recompile). The other arguments are constants of the graph.
+
+    Args:
+        params (`torch.Tensor` of shape `(k, rows, cols)`): the weights, updated in place.
+        grads (`torch.Tensor` of shape `(k, rows, cols)`): their gradients (not modified).
+        momentum_buffer (`torch.Tensor` of shape `(k, rows, cols)`): updated in place.
+        second_moment (`torch.Tensor` of shape `(k, rows, 1)` or `(k, 1, cols)`, fp32, or None): NorMuon's EMA,
+            updated in place; None (or `beta2` None) turns NorMuon off.
+        momentum, lr, weight_decay: this step's values (`weight_decay` already scaled by its schedule).
+        beta2: NorMuon's EMA decay.
+        nesterov, cautious_weight_decay, coefficients, norm_safety, eps, dtype: see `MuonAdamW` and `orthogonalize`.
+    """
+    if isinstance(momentum, torch.Tensor):  # lerp takes its weight in the tensors' dtype (nanochat casts it too)
+        momentum = momentum.to(grads.dtype)
+    momentum_buffer.lerp_(grads, 1 - momentum)
+    update = grads.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+    update = orthogonalize(update, coefficients, norm_safety=norm_safety, eps=eps, dtype=dtype)
+    if second_moment is not None and beta2 is not None:
+        update = normuon_rescale(update, second_moment, beta2)
+    if cautious_weight_decay:
+        # decay only the coordinates where the update and the weight agree in sign
+        _add_scaled_(params, params * (update * params >= 0), -lr * weight_decay)
+    else:
+        params.mul_(1 - lr * weight_decay)
+    rows, cols = params.shape[-2:]
+    _add_scaled_(params, update, -lr * math.sqrt(max(1.0, rows / cols)))
+
+
+def _add_scaled_(target: torch.Tensor, other: torch.Tensor, alpha: float | torch.Tensor) -> None:
+    """`target += alpha · other`: a float through `add_`'s alpha (one rounding), a 0-D tensor through a product."""
+    if isinstance(alpha, torch.Tensor):
+        target.add_(other.to(torch.promote_types(other.dtype, target.dtype)) * alpha)
+    else:
+        target.add_(other, alpha=alpha)
 
 
 def muon_momentum(step: int, momentum: float, warmup_start: float, warmup_steps: int) -> float:
@@ -148,6 +244,57 @@ def weight_decay_factor(step: int, num_training_steps: int | None) -> float:
     return max(0.0, 1.0 - step / num_training_steps)
 
 
+class _MuonStack:
+    """The same-shape matrices of one Muon group and their state as stacked buffers; `optimizer.state` holds views."""
+
+    def __init__(self, params: list[torch.Tensor], state: dict, orthogonalize_dtype: str, compiled: bool):
+        first = params[0]
+        rows, cols = first.shape
+        self.params = params
+        self.momentum_buffer = torch.zeros((len(params), rows, cols), dtype=first.dtype, device=first.device)
+        moment_shape = (rows, 1) if rows >= cols else (1, cols)
+        self.second_moment = torch.zeros((len(params), *moment_shape), dtype=torch.float32, device=first.device)
+        for index, param in enumerate(params):
+            for key, stacked in (("momentum_buffer", self.momentum_buffer), ("second_moment", self.second_moment)):
+                if key in state[param]:  # restored by load_state_dict, or from an earlier layout
+                    stacked[index].copy_(state[param][key])
+                state[param][key] = stacked[index]
+        self.key = (tuple(first.shape), first.dtype, first.device)
+        self.dtype = _orthogonalize_dtype(orthogonalize_dtype, first.device)
+        self.compiled = compiled
+
+
+class _AdamWLists:
+    """An AdamW group's parameters and state tensors as the lists that torch's `adamw` takes."""
+
+    def __init__(self, params: list[torch.Tensor], state: dict):
+        self.params = params
+        fused_devices = set(_get_fused_kernels_supported_devices()) - {"cpu"}
+        self.fused = all(param.device.type in fused_devices and param.is_floating_point() for param in params)
+        for param in params:
+            # torch.optim.AdamW's placement: the step count on the parameter's device for the fused kernel
+            step_device = param.device if self.fused else torch.device("cpu")
+            if not state[param]:
+                state[param]["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+                state[param]["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state[param]["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            else:
+                state[param]["step"] = state[param]["step"].to(dtype=torch.float32, device=step_device)
+        self.exp_avgs = [state[param]["exp_avg"] for param in params]
+        self.exp_avg_sqs = [state[param]["exp_avg_sq"] for param in params]
+        self.steps = [state[param]["step"] for param in params]
+
+
+class _Layout:
+    """The stacks (Muon) or lists (AdamW) of one param group, valid while the group keeps its `params` list."""
+
+    def __init__(self, source: list, parts: list):
+        self.source, self.count, self.parts = source, len(source), parts
+
+    def is_current(self, params: list) -> bool:
+        return self.source is params and self.count == len(params)
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the groups with `kind="muon"`, AdamW (torch's implementation) for `kind="adamw"`.
 
@@ -162,19 +309,46 @@ class MuonAdamW(torch.optim.Optimizer):
             AdamW keys (`ADAMW_DEFAULTS`): `lr` 1e-3, `betas` (0.8, 0.95), `eps` 1e-10, `weight_decay` 0.
         num_training_steps: total optimizer steps; every group's weight decay decays linearly to 0 over
             them. None keeps the weight decay constant.
+        compile_update: run each stack's Muon update as one `torch.compile`d graph (`muon_update`, compiled
+            once per stack shape at the first step). None (default): on CUDA yes, elsewhere no (on the CPU
+            compiling costs more than it saves at test sizes; its result equals eager within round-off).
 
-    Every Muon parameter must be a plain 2-D tensor; `step()` raises `RuntimeError` on a DTensor
-    (FSDP2), a flattened 1-D partition or a ZeRO-3 parameter (DeepSpeed) rather than orthogonalising a
-    piece of a matrix. Weight decay is scaled by the group `lr` (not the shape-adjusted one), as
-    `torch.optim.Muon` does; nanochat scales it by the adjusted LR (a factor 2 on the 4x-wide MLP
-    up-projection only).
+    Every Muon parameter must be a plain 2-D tensor; construction (and the first step after a group's
+    `params` list was replaced) raises `RuntimeError` on a DTensor (FSDP2), a flattened 1-D partition or a
+    ZeRO-3 parameter (DeepSpeed) rather than orthogonalising a piece of a matrix. Change a group's
+    parameters by assigning a new list to `group["params"]`, never by editing the list in place. Weight
+    decay is scaled by the group `lr` (not the shape-adjusted one), as `torch.optim.Muon` does; nanochat
+    scales it by the adjusted LR (a factor 2 on the 4x-wide MLP up-projection only).
     """
 
-    def __init__(self, param_groups: Iterable[dict], num_training_steps: int | None = None):
+    def __init__(
+        self,
+        param_groups: Iterable[dict],
+        num_training_steps: int | None = None,
+        compile_update: bool | None = None,
+    ):
         if num_training_steps is not None and num_training_steps <= 0:
             raise ValueError(f"MuonAdamW: num_training_steps must be positive or None, got {num_training_steps}")
         self.num_training_steps = num_training_steps
+        self.compile_update = compile_update
+        self._init_runtime()
         super().__init__(list(param_groups), defaults={})
+
+    def _init_runtime(self) -> None:
+        self._layouts: dict[int, _Layout] = {}
+        self._compiled_update = None
+        self._scheduled_tensors = {key: torch.zeros((), dtype=torch.float32) for key in _SCHEDULED}
+
+    def __getstate__(self) -> dict:
+        return {
+            **super().__getstate__(),
+            "num_training_steps": self.num_training_steps,
+            "compile_update": self.compile_update,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._init_runtime()
 
     def add_param_group(self, param_group: dict) -> None:
         """Validate a tagged group, fill in its kind's defaults, the step count 0 and the decay horizon.
@@ -195,15 +369,34 @@ class MuonAdamW(torch.optim.Optimizer):
         if unknown:
             raise ValueError(f"MuonAdamW: param group {index} ({kind}) has unknown keys {sorted(unknown)}")
         group = {**defaults, "name": kind, **param_group, "step": 0, "num_training_steps": self.num_training_steps}
-        if kind == "muon" and group["orthogonalize_dtype"] not in (*_DTYPES, "auto"):
-            raise ValueError(
-                f"MuonAdamW: orthogonalize_dtype={group['orthogonalize_dtype']!r}; expected 'auto' or one of "
-                f"{sorted(_DTYPES)}"
-            )
+        if kind == "muon":
+            if group["orthogonalize_dtype"] not in (*_DTYPES, "auto"):
+                raise ValueError(
+                    f"MuonAdamW: orthogonalize_dtype={group['orthogonalize_dtype']!r}; expected 'auto' or one of "
+                    f"{sorted(_DTYPES)}"
+                )
+            group["ns_coefficients"] = tuple(tuple(step) for step in group["ns_coefficients"])  # graph constants
         super().add_param_group(group)
         if kind == "muon":
             for param in self.param_groups[-1]["params"]:
                 _check_whole_matrix(param, group["name"])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """`torch.optim.Optimizer.load_state_dict`, then Muon's state copied back into stacked buffers.
+
+        NorMuon's `second_moment` stays fp32 (torch's loader casts every state tensor to its parameter's dtype).
+        """
+        saved_ids = [param_id for group in state_dict["param_groups"] for param_id in group["params"]]
+        second_moments = {
+            position: state_dict["state"][param_id]["second_moment"]
+            for position, param_id in enumerate(saved_ids)
+            if "second_moment" in state_dict["state"].get(param_id, {})
+        }
+        super().load_state_dict(state_dict)
+        params = [param for group in self.param_groups for param in group["params"]]
+        for position, moment in second_moments.items():
+            self.state[params[position]]["second_moment"] = moment.to(torch.float32)
+        self._layouts = {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -212,67 +405,83 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
+            layout = self._layouts.get(index)
+            if layout is None or not layout.is_current(group["params"]):
+                layout = self._layouts[index] = self._build_layout(group)
             decay = group["weight_decay"] * weight_decay_factor(group["step"], group["num_training_steps"])
             if group["kind"] == "muon":
-                self._muon_step(group, decay)
+                self._muon_step(group, layout.parts, decay)
             else:
-                self._adamw_step(group, decay)
+                self._adamw_step(group, layout.parts[0], decay)
             group["step"] += 1
         return loss
 
-    def _muon_step(self, group: dict, weight_decay: float) -> None:
-        momentum = muon_momentum(
-            group["step"], group["momentum"], group["momentum_warmup_start"], group["momentum_warmup_steps"]
-        )
-        lr = group["lr"]
-        for param in group["params"]:
-            if param.grad is None:
-                continue
+    def _build_layout(self, group: dict) -> _Layout:
+        params = list(group["params"])
+        if group["kind"] == "adamw":
+            return _Layout(group["params"], [_AdamWLists(params, self.state)])
+        by_shape: dict[tuple, list[torch.Tensor]] = {}
+        for param in params:
             _check_whole_matrix(param, group["name"])
-            grad = param.grad
-            state = self.state[param]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(param)
-                if group["beta2"] is not None:
-                    rows, cols = param.shape
-                    shape = (rows, 1) if rows >= cols else (1, cols)
-                    state["second_moment"] = torch.zeros(shape, dtype=torch.float32, device=param.device)
-            buffer = state["momentum_buffer"]
-            buffer.lerp_(grad, 1 - momentum)
-            update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-            update = orthogonalize(
-                update,
-                group["ns_coefficients"],
-                norm_safety=group["ns_norm_safety"],
-                eps=group["eps"],
-                dtype=_orthogonalize_dtype(group["orthogonalize_dtype"], param.device),
-            )
-            if group["beta2"] is not None:
-                update = normuon_rescale(update, state["second_moment"], group["beta2"])
-            if weight_decay != 0:
-                if group["cautious_weight_decay"]:
-                    # decay only the coordinates where the update and the weight agree in sign
-                    param.sub_(param * (update * param >= 0), alpha=lr * weight_decay)
-                else:
-                    param.mul_(1 - lr * weight_decay)
-            param.add_(update, alpha=-lr * math.sqrt(max(1.0, param.size(0) / param.size(1))))
+            by_shape.setdefault((tuple(param.shape), param.dtype, param.device), []).append(param)
+        stacks = []
+        for (_, _, device), members in by_shape.items():
+            compiled = self.compile_update if self.compile_update is not None else device.type == "cuda"
+            stacks.append(_MuonStack(members, self.state, group["orthogonalize_dtype"], compiled))
+        return _Layout(group["params"], stacks)
 
-    def _adamw_step(self, group: dict, weight_decay: float) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for param in group["params"]:
-            if param.grad is None:
-                continue
-            state = self.state[param]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            params.append(param)
-            grads.append(param.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
+    def _muon_step(self, group: dict, stacks: list[_MuonStack], weight_decay: float) -> None:
+        scheduled = {
+            "momentum": muon_momentum(
+                group["step"], group["momentum"], group["momentum_warmup_start"], group["momentum_warmup_steps"]
+            ),
+            "lr": group["lr"],
+            "weight_decay": weight_decay,
+        }
+        constants = {
+            "beta2": group["beta2"],
+            "nesterov": group["nesterov"],
+            "cautious_weight_decay": group["cautious_weight_decay"],
+            "coefficients": group["ns_coefficients"],
+            "norm_safety": group["ns_norm_safety"],
+            "eps": group["eps"],
+        }
+        for stack in stacks:
+            grads = [param.grad for param in stack.params]
+            if all(grad is not None for grad in grads):
+                params = torch.stack(stack.params)
+                update, values = self._update_function(stack, scheduled, constants)
+                update(
+                    params, torch.stack(grads), stack.momentum_buffer, stack.second_moment,
+                    **values, **constants, dtype=stack.dtype,
+                )  # fmt: skip
+                torch._foreach_copy_(stack.params, list(params.unbind(0)))
+            else:
+                _muon_step_with_gradients_only(stack, grads, scheduled, constants)
+
+    def _update_function(self, stack: _MuonStack, scheduled: dict, constants: dict):
+        """`muon_update` with the scheduled values as floats, or its compiled graph with them as 0-D tensors.
+
+        Dynamo keeps at most `torch._dynamo.config.recompile_limit` graphs of one function (one per stack shape
+        and set of constants here) and, with `fullgraph=True`, fails beyond that; a stack past the limit runs eagerly.
+        """
+        if not stack.compiled or not _reserve_graph((*stack.key, stack.dtype, *constants.items())):
+            return muon_update, scheduled
+        if self._compiled_update is None:
+            self._compiled_update = torch.compile(muon_update, dynamic=False, fullgraph=True)
+        for key, value in scheduled.items():
+            self._scheduled_tensors[key].fill_(value)
+        return self._compiled_update, self._scheduled_tensors
+
+    def _adamw_step(self, group: dict, lists: _AdamWLists, weight_decay: float) -> None:
+        grads = [param.grad for param in lists.params]
+        params, exp_avgs, exp_avg_sqs, steps = lists.params, lists.exp_avgs, lists.exp_avg_sqs, lists.steps
+        if not all(grad is not None for grad in grads):
+            present = [index for index, grad in enumerate(grads) if grad is not None]
+            params, grads, exp_avgs, exp_avg_sqs, steps = (
+                [values[index] for index in present] for values in (params, grads, exp_avgs, exp_avg_sqs, steps)
+            )
         if not params:
             return
         beta1, beta2 = group["betas"]
@@ -283,6 +492,8 @@ class MuonAdamW(torch.optim.Optimizer):
             exp_avg_sqs,
             [],
             steps,
+            foreach=not lists.fused,
+            fused=lists.fused,
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,
@@ -291,6 +502,46 @@ class MuonAdamW(torch.optim.Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+
+
+def _muon_step_with_gradients_only(stack: _MuonStack, grads: list, scheduled: dict, constants: dict) -> None:
+    """The rare step where some matrices of a stack have no gradient: update the others (eagerly), skip these."""
+    present = [index for index, grad in enumerate(grads) if grad is not None]
+    if not present:
+        return
+    params = [stack.params[index] for index in present]
+    momentum_views = [stack.momentum_buffer[index] for index in present]
+    moment_views = [stack.second_moment[index] for index in present]
+    stacked = [torch.stack(tensors) for tensors in (params, momentum_views, moment_views)]
+    muon_update(
+        stacked[0], torch.stack([grads[index] for index in present]), stacked[1], stacked[2],
+        **scheduled, **constants, dtype=stack.dtype,
+    )  # fmt: skip
+    torch._foreach_copy_(
+        params + momentum_views + moment_views, [row for tensor in stacked for row in tensor.unbind(0)]
+    )
+
+
+_COMPILED_SIGNATURES: set[tuple] = set()  # the graphs of `muon_update` compiled in this process
+_EAGER_SIGNATURES: set[tuple] = set()  # the stacks left eager because the limit was reached
+
+
+def _reserve_graph(signature: tuple) -> bool:
+    """True if `muon_update` has, or may add, a compiled graph for `signature` within dynamo's recompile limit."""
+    import torch._dynamo
+
+    if signature in _COMPILED_SIGNATURES:
+        return True
+    if len(_COMPILED_SIGNATURES) < torch._dynamo.config.recompile_limit:
+        _COMPILED_SIGNATURES.add(signature)
+        return True
+    if signature not in _EAGER_SIGNATURES:
+        _EAGER_SIGNATURES.add(signature)
+        logger.warning(
+            "MuonAdamW: muon_update has %d compiled graphs, torch._dynamo.config.recompile_limit; the %s stack runs "
+            "eagerly (raise the limit to compile it)", len(_COMPILED_SIGNATURES), "×".join(map(str, signature[0])),
+        )  # fmt: skip
+    return False
 
 
 def _orthogonalize_dtype(name: str, device: torch.device) -> torch.dtype:
