@@ -1,0 +1,389 @@
+"""The pretraining data stream: documents of a `Corpus` split into training / validation by a seeded hash, tokenized
+on the fly, shuffled through a bounded buffer and packed BOS-aligned best-fit into rows, in as many disjoint streams
+as there are (process, DataLoader worker) pairs, each stream's state small enough to travel with every batch.
+
+- `DocumentSplit`: a document is held out for validation when a keyed hash of its text falls below `val_fraction`;
+  no list of documents is kept, duplicates land on the same side, and the split is the same for every stream.
+- `DocumentSource`: the documents of one side in stream `i` of `n`: stream `i` owns the shards `i, i + n, ...` (every
+  `n`-th document of each shard when there are fewer shards than streams, like `datasets.distributed.
+  split_dataset_by_node`), reads them in a seeded order that changes every pass, and loops forever (training) or
+  stops after `passes`.
+- `PackedStream`: a `torch` `IterableDataset` of rows `(max_seq_len,)`; `reader(i, n, snapshot)` is one stream with
+  its buffers, `snapshot()` is its exact state (position in the corpus, buffered documents, shuffle RNG, counters).
+- `StreamBatches` / `stream_dataloader`: the DataLoader for the Trainer. DataLoader worker `w` of process `r` is stream
+  `r * W + w` of `world_size * W` (`W = max(1, num_workers)`); every batch carries its stream's snapshot taken right
+  after its last row, so the main process always holds the state that resumes exactly after what it consumed.
+- `StreamProgress`: what the main process consumed: the latest snapshot of each worker, the number of batches and the
+  chained sha256 of the consumed token rows; saved with every checkpoint and loaded to resume.
+
+Memory: the shuffle buffer and the packing buffer (documents), one read batch and one row batch per stream.
+"""
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from hfl3.data.packing import BestFitPacker, PackingReport, chunk_text, concatenate_documents, split_concatenated
+from hfl3.data.sources import Corpus
+
+DATA_STATE_KEY = "data_state"
+STATE_FILE = "data_state_rank{rank}.safetensors"
+SHUFFLE_RNG_TAG = 2**32 - 1  # the shuffle buffer's seed `[seed, stream, TAG]`; shard orders use `[seed, stream, pass]`
+_EMPTY_SHA256 = hashlib.sha256().hexdigest()
+
+
+class DocumentSplit:
+    """Seeded, disjoint train / validation split of documents by content: a document is held out when the first 8
+    bytes of `blake2b(text, key=seed)` (UTF-8, little-endian) read as a fraction of 2^64 are below `val_fraction`.
+
+    Raises:
+        ValueError: if `val_fraction` is not in (0, 1).
+    """
+
+    def __init__(self, val_fraction: float, seed: int):
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"val_fraction={val_fraction} must be in (0, 1)")
+        self.val_fraction, self.seed = val_fraction, seed
+        self._key = seed.to_bytes(8, "little", signed=True)
+        self._threshold = int(val_fraction * 2**64)
+
+    def is_validation(self, text: str) -> bool:
+        digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=self._key).digest()
+        return int.from_bytes(digest, "little") < self._threshold
+
+    def describe(self) -> dict:
+        return {"method": "hash", "hash": "blake2b-64 of the document's UTF-8 text, keyed by the seed",
+                "seed": self.seed, "val_fraction": self.val_fraction}
+
+
+@dataclass
+class DocumentSource:
+    """The documents of one side (`validation` or training) of a corpus, for stream `i` of `n` (module docstring).
+
+    `shuffle_shards`: read the owned shards in a seeded order drawn anew for every pass (else in corpus order).
+    `passes`: stop after this many passes over the owned shards (None: loop forever).
+    """
+
+    corpus: Corpus
+    split: DocumentSplit | None = None
+    validation: bool = False
+    seed: int = 0
+    read_batch: int = 64
+    shuffle_shards: bool = True
+    passes: int | None = None
+
+    def keep(self, text: str) -> bool:
+        return self.split is None or self.split.is_validation(text) == self.validation
+
+    def batches(self, stream: int = 0, num_streams: int = 1, position: dict | None = None) -> Iterator[tuple]:
+        """`(kept_texts, held_out, position)` per batch read; `position` resumes right after the batch.
+
+        Raises:
+            ValueError: a whole pass over the owned shards yields no document of this side.
+        """
+        shards = self.corpus.shards
+        owned = list(range(stream, len(shards), num_streams)) if len(shards) >= num_streams else list(range(len(shards)))
+        stride = (1, 0) if len(shards) >= num_streams else (num_streams, stream)
+        position = position or {"epoch": 0, "shard": 0, "read": None}
+        epoch = position["epoch"]
+        while self.passes is None or epoch < self.passes:
+            order = owned
+            if self.shuffle_shards:
+                order = [owned[i] for i in np.random.default_rng([self.seed, stream, epoch]).permutation(len(owned))]
+            start, read, kept_in_pass = position["shard"], position["read"], 0
+            for index in range(start, len(order)):
+                for texts, read in shards[order[index]].read(read, self.read_batch, stride):
+                    kept = [text for text in texts if self.keep(text)]
+                    kept_in_pass += len(kept)
+                    yield kept, len(texts) - len(kept), {"epoch": epoch, "shard": index, "read": read}
+                read = None
+            if start == 0 and not kept_in_pass:
+                side = "validation" if self.validation else "training"
+                raise ValueError(f"stream {stream} of {num_streams} found no {side} document in {len(owned)} shard(s) "
+                                 f"of {self.corpus.spec!r}; use fewer processes/DataLoader workers or more data")
+            epoch += 1
+            position = {"epoch": epoch, "shard": 0, "read": None}
+
+    def sample_texts(self, max_chars: int) -> Iterator[str]:
+        """Documents from the start of stream 0 of 1 (the first pass), the last one cut, until `max_chars`
+        characters: the tokenizer's training sample."""
+        budget = max_chars
+        for texts, _, _ in DocumentSource(**{**vars(self), "passes": 1}).batches():
+            for text in texts:
+                yield text[:budget]
+                budget -= len(text)
+                if budget <= 0:
+                    return
+
+
+class PackedStream(torch.utils.data.IterableDataset):
+    """Rows `(max_seq_len,)` of BOS-aligned best-fit packed documents of a `DocumentSource` (stream 0 of 1 when
+    iterated directly; see `reader` for stream `i` of `n`).
+
+    Each document is cut into pieces of at most `document_max_chars` characters (`chunk_text`; 0: whole), each piece
+    tokenized without special tokens and prefixed with BOS (batched `encode_batch_fast` of the `tokenizers` backend),
+    then shuffled through a buffer of `shuffle_buffer` pieces (seeded; 0: in order) and packed over a buffer of
+    `packing_buffer` pieces (`BestFitPacker`). Token ids are kept as uint16 when the vocabulary fits, else int32.
+    """
+
+    def __init__(self, source: DocumentSource, tokenizer, max_seq_len: int, document_max_chars: int = 0,
+                 packing_buffer: int = 1000, shuffle_buffer: int = 1000):
+        self.source, self.tokenizer, self.max_seq_len = source, tokenizer, max_seq_len
+        self.document_max_chars, self.packing_buffer, self.shuffle_buffer = document_max_chars, packing_buffer, \
+            shuffle_buffer
+        self.dtype = np.uint16 if len(tokenizer) <= 1 << 16 else np.int32
+        if tokenizer.bos_token_id is None:
+            raise ValueError("the tokenizer has no bos_token; every packed row starts with BOS")
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        reader = self.reader()
+        while (row := reader.next_row()) is not None:
+            yield row
+
+    def reader(self, stream: int = 0, num_streams: int = 1, snapshot: dict | None = None) -> "StreamReader":
+        return StreamReader(self, stream, num_streams, snapshot)
+
+    def tokenize(self, texts: list[str]) -> list[np.ndarray]:
+        """[BOS] + token ids of every piece of every text (`document_max_chars`)."""
+        pieces = [piece for text in texts for piece in chunk_text(text, self.document_max_chars)]
+        if not pieces:
+            return []
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            encoded = [e.ids for e in backend.encode_batch_fast(pieces, add_special_tokens=False)]
+        else:
+            encoded = self.tokenizer(pieces, add_special_tokens=False)["input_ids"]
+        documents = []
+        for ids in encoded:
+            document = np.empty(len(ids) + 1, dtype=self.dtype)
+            document[0] = self.tokenizer.bos_token_id
+            document[1:] = ids
+            documents.append(document)
+        return documents
+
+    def sample_documents(self, max_tokens: int) -> list[np.ndarray]:
+        """Tokenized pieces from the start of stream 0 of 1 (first pass, in order) holding `max_tokens` tokens: the
+        L3 allocation's sample."""
+        sample, budget = [], max_tokens
+        for texts, _, _ in DocumentSource(**{**vars(self.source), "passes": 1}).batches():
+            for document in self.tokenize(texts):
+                sample.append(document)
+                budget -= len(document)
+                if budget <= 0:
+                    return sample
+        return sample
+
+    def materialize(self, max_rows: int) -> tuple[np.ndarray, PackingReport, dict]:
+        """The first `max_rows` rows of stream 0 of 1 `(rows, max_seq_len)` int64, the packing report and the
+        document counts: the validation set, built once."""
+        reader, rows = self.reader(), []
+        while len(rows) < max_rows and (row := reader.next_row()) is not None:
+            rows.append(row)
+        array = np.stack(rows).astype(np.int64) if rows else np.zeros((0, self.max_seq_len), dtype=np.int64)
+        return array, reader.packer.report, dict(reader.counts)
+
+    def fingerprint(self) -> dict:
+        """What decides the rows: resuming refuses a checkpoint whose stream had another fingerprint."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        vocabulary = backend.to_str() if backend is not None else json.dumps(self.tokenizer.get_vocab(), sort_keys=True)
+        return {"corpus": self.source.corpus.spec, "shards": [shard.name for shard in self.source.corpus.shards],
+                "split": self.source.split.describe() if self.source.split else None,
+                "tokenizer_sha256": hashlib.sha256(vocabulary.encode()).hexdigest(),
+                "max_seq_len": self.max_seq_len, "document_max_chars": self.document_max_chars,
+                "packing_buffer": self.packing_buffer, "shuffle_buffer": self.shuffle_buffer,
+                "read_batch": self.source.read_batch, "seed": self.source.seed}
+
+
+class StreamReader:
+    """Stream `stream` of `num_streams` of a `PackedStream`, resumable from one of its `snapshot()`s."""
+
+    def __init__(self, packed: PackedStream, stream: int, num_streams: int, snapshot: dict | None = None):
+        self.packed, self.stream, self.num_streams = packed, stream, num_streams
+        self.packer = BestFitPacker(packed.max_seq_len, packed.packing_buffer)
+        self.rng = np.random.default_rng([packed.source.seed, stream, SHUFFLE_RNG_TAG])
+        self.documents: list[np.ndarray] = []  # tokenized pieces waiting in the shuffle buffer
+        self.position, self.counts = None, {"documents": 0, "held_out": 0}
+        if snapshot is not None:
+            self._restore(snapshot)
+        self._batches = packed.source.batches(stream, num_streams, self.position)
+
+    def _pull(self) -> np.ndarray | None:
+        shuffle = self.packed.shuffle_buffer > 0
+        while len(self.documents) < max(1, self.packed.shuffle_buffer):
+            batch = next(self._batches, None)
+            if batch is None:
+                break
+            texts, held_out, self.position = batch
+            self.counts["documents"] += len(texts)
+            self.counts["held_out"] += held_out
+            if shuffle:
+                self.documents += self.packed.tokenize(texts)
+            else:  # in order: the next document is the last one of the list
+                self.documents[:0] = reversed(self.packed.tokenize(texts))
+        if not self.documents:
+            return None
+        if shuffle:  # swap the drawn document with the last one
+            index = int(self.rng.integers(len(self.documents)))
+            self.documents[index], self.documents[-1] = self.documents[-1], self.documents[index]
+        return self.documents.pop()
+
+    def next_row(self) -> np.ndarray | None:
+        """The next row `(max_seq_len,)`, or None once a finite source is exhausted."""
+        return self.packer.next_row(self._pull)
+
+    def snapshot(self) -> dict:
+        """The exact state after the last row returned: `{"meta": JSON-safe dict, "tensors": {name: tensor}}`."""
+        documents, document_lengths = concatenate_documents(self.documents)
+        packer, packer_lengths = self.packer.state()
+        meta = {"stream": [self.stream, self.num_streams], "position": self.position, "counts": dict(self.counts),
+                "rng": self.rng.bit_generator.state, "report": asdict(self.packer.report)}
+        arrays = {"documents": documents, "document_lengths": document_lengths, "packer": packer,
+                  "packer_lengths": packer_lengths}
+        return {"meta": meta, "tensors": {name: torch.from_numpy(array) for name, array in arrays.items()}}
+
+    def _restore(self, snapshot: dict) -> None:
+        meta, tensors = snapshot["meta"], {name: t.numpy() for name, t in snapshot["tensors"].items()}
+        if meta["stream"] != [self.stream, self.num_streams]:
+            raise ValueError(f"snapshot of stream {meta['stream']} given to stream {[self.stream, self.num_streams]}")
+        self.position, self.counts = meta["position"], dict(meta["counts"])
+        self.rng.bit_generator.state = meta["rng"]
+        self.documents = split_concatenated(tensors["documents"], tensors["document_lengths"])
+        self.packer.load_state(tensors["packer"], tensors["packer_lengths"], PackingReport.from_dict(meta["report"]))
+
+
+class WorkerState:
+    """The snapshot of DataLoader worker `role`'s stream after a batch. A plain object, so that `pin_memory` leaves it
+    alone; its tensors travel from the worker process through shared memory."""
+
+    def __init__(self, role: int, snapshot: dict):
+        self.role, self.snapshot = role, snapshot
+
+
+@dataclass
+class StreamBatch:
+    """One batch from a stream: `input_ids` `(batch_size, max_seq_len)` and the worker's state after it."""
+
+    input_ids: np.ndarray
+    state: WorkerState
+
+
+class StreamBatches(torch.utils.data.IterableDataset):
+    """Batches of `batch_size` rows for process `rank` of `world_size`; in DataLoader worker `w` of `W`, the stream
+    of worker role `(w + offset) % W`, resumed from `snapshots[role]` (the DataLoader starts every new iterator at
+    worker 0, so after `B` consumed batches the role that is due next, `B % W`, must run in worker 0)."""
+
+    def __init__(self, packed: PackedStream, batch_size: int, rank: int, world_size: int,
+                 snapshots: dict[int, dict] | None = None, offset: int = 0):
+        self.packed, self.batch_size, self.rank, self.world_size = packed, batch_size, rank, world_size
+        self.snapshots, self.offset = snapshots or {}, offset
+
+    def __iter__(self) -> Iterator[StreamBatch]:
+        info = torch.utils.data.get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        role = (worker + self.offset) % workers
+        reader = self.packed.reader(self.rank * workers + role, self.world_size * workers, self.snapshots.get(role))
+        while True:
+            rows = [reader.next_row() for _ in range(self.batch_size)]
+            if any(row is None for row in rows):
+                return
+            yield StreamBatch(np.stack(rows), WorkerState(role, reader.snapshot()))
+
+
+def stream_dataloader(packed: PackedStream, batch_size: int, collate_fn, progress: "StreamProgress",
+                      num_workers: int = 0, **dataloader_kwargs) -> torch.utils.data.DataLoader:
+    """A plain `DataLoader` over `StreamBatches` (`batch_size=None`: the stream batches itself), resumed where
+    `progress` stands; `dataloader_kwargs` go to the DataLoader (pin_memory, prefetch_factor, ...). Batches come
+    from the workers in turn (`in_order`), which is what the resume offset relies on."""
+    batches = StreamBatches(packed, batch_size, progress.rank, progress.world_size, progress.worker_snapshots(),
+                            progress.batches % progress.workers)
+    return torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=collate_fn, num_workers=num_workers,
+                                       in_order=True, **dataloader_kwargs)
+
+
+class StreamProgress:
+    """What process `rank` consumed from its stream: the latest `WorkerState` of each of its `workers` roles, the
+    number of batches, and `sha256`, the chained digest of the consumed rows: `c_0 = sha256(b"")`, `c_b =
+    sha256(c_{b-1} ‖ batch_b)` with `c` as 32 raw bytes and `batch_b` the batch's `input_ids` as int64 little-endian,
+    rows in order. Chaining (a `hashlib` object cannot be saved) makes the digest of a resumed run equal that of an
+    uninterrupted one."""
+
+    def __init__(self, fingerprint: dict, rank: int, world_size: int, workers: int):
+        self.fingerprint, self.rank, self.world_size, self.workers = fingerprint, rank, world_size, max(1, workers)
+        self.batches, self.sha256 = 0, _EMPTY_SHA256
+        self.states: dict[int, WorkerState] = {}
+
+    def consume(self, state: WorkerState, input_ids: torch.Tensor) -> None:
+        self.states[state.role] = state
+        self.batches += 1
+        rows = input_ids.detach().cpu().numpy().astype("<i8", copy=False)
+        self.sha256 = hashlib.sha256(bytes.fromhex(self.sha256) + np.ascontiguousarray(rows).tobytes()).hexdigest()
+
+    def worker_snapshots(self) -> dict[int, dict]:
+        return {role: state.snapshot for role, state in self.states.items()}
+
+    def summary(self) -> dict:
+        """JSON-safe: batches, digest, the packing report and document counts summed over the worker streams."""
+        report, counts = PackingReport(), {"documents": 0, "held_out": 0}
+        for state in self.states.values():
+            report += PackingReport.from_dict(state.snapshot["meta"]["report"])
+            for key in counts:
+                counts[key] += state.snapshot["meta"]["counts"][key]
+        epochs = [state.snapshot["meta"]["position"]["epoch"] for state in self.states.values()]
+        return {"rank": self.rank, "batches": self.batches, "sha256": self.sha256, "packing": report.as_dict(),
+                "documents": counts["documents"], "held_out_documents": counts["held_out"],
+                "completed_passes": max(epochs, default=0)}
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        """`folder/data_state_rank{rank}.safetensors` (written to a temporary file, then renamed): the worker
+        snapshots' arrays as tensors, everything else as JSON in the header metadata."""
+        tensors, snapshots = {}, {}
+        for role, state in self.states.items():
+            snapshots[role] = state.snapshot["meta"]
+            for name, tensor in state.snapshot["tensors"].items():
+                tensors[f"role{role}.{name}"] = tensor.contiguous()
+        meta = {"fingerprint": self.fingerprint, "world_size": self.world_size, "workers": self.workers,
+                "batches": self.batches, "sha256": self.sha256, "snapshots": snapshots}
+        path = Path(folder) / STATE_FILE.format(rank=self.rank)
+        temporary = path.with_name(f".{path.name}.tmp")
+        save_file(tensors, temporary, metadata={"hfl3_stream_progress": json.dumps(meta)})
+        os.replace(temporary, path)
+        return path
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike, fingerprint: dict, rank: int, world_size: int,
+             workers: int) -> "StreamProgress":
+        """The progress saved in checkpoint `folder` for process `rank`.
+
+        Raises:
+            FileNotFoundError: the checkpoint has no data state for this rank.
+            ValueError: it was written by another stream (fingerprint), world size or number of DataLoader workers.
+        """
+        path = Path(folder) / STATE_FILE.format(rank=rank)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: {folder} has no data stream state for rank {rank} (saved "
+                                    "by another version, or interrupted while saving); resume from another checkpoint")
+        progress = cls(fingerprint, rank, world_size, workers)
+        with safe_open(path, "pt") as f:
+            meta = json.loads(f.metadata()["hfl3_stream_progress"])
+        if meta["fingerprint"] != fingerprint:
+            changed = sorted(k for k in fingerprint if meta["fingerprint"].get(k) != fingerprint[k])
+            raise ValueError(f"{folder} was trained on another data stream (differs in: {', '.join(changed)}); "
+                             "resume with the data, tokenizer and packing arguments it was started with")
+        if (meta["world_size"], meta["workers"]) != (world_size, progress.workers):
+            raise ValueError(f"{folder} was written by {meta['world_size']} process(es) with "
+                             f"{meta['workers']} stream(s) each (--dataloader_num_workers, at least 1); now "
+                             f"{world_size} and {progress.workers}: resume with the same numbers")
+        tensors = load_file(path)
+        progress.batches, progress.sha256 = meta["batches"], meta["sha256"]
+        for role, snapshot_meta in meta["snapshots"].items():
+            arrays = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith(f"role{role}.")}
+            progress.states[int(role)] = WorkerState(int(role), {"meta": snapshot_meta, "tensors": arrays})
+        return progress
