@@ -18,22 +18,24 @@ Throughput, on documents of `corpus_50mb/` (`max_seq_len` 2048, documents whole,
 - `encode_batch`: the same documents, 64 per call, through the tokenizer's `encode_batch_fast` (what the loader calls);
   tokens produced per second.
 - `loader, main process`: `PackedStream` stream 0 of 1 (reading, hash split, tokenization, shuffle buffer, best-fit
-  packing, a state snapshot per batch of 16 rows); input tokens per second (tokens of the documents taken into rows,
+  packing, a state update per batch of 16 rows); input tokens per second (tokens of the documents taken into rows,
   packed + cropped: the work done) and packed tokens per second (in rows). Their ratio to `encode_batch` is the
   pipeline's cost: goal >= 0.9.
 - `DataLoader, N workers`: `stream_dataloader` with `PackedCollator`, as the Trainer reads it: packed tokens/s
   across N worker processes. The d12 step consumes 450k tokens/s on one H100 (DESIGN.md); the table says whether this
   machine's loader reaches it.
 
-Memory: `python recipes/pretrain.py` on each corpus with the same flags (`--max_steps 20`, a tiny dense model, the
-32k tokenizer, 2 DataLoader workers, 1% hash split, 32 validation rows): peak RSS of the process tree (the recipe and
+Memory: `python recipes/pretrain.py` on each corpus with the same flags (`--max_steps 20`, a tiny dense model, rows of
+256 tokens, the 32k tokenizer, 2 DataLoader workers, 1% hash split, 16 validation rows): peak RSS of the process tree (the recipe and
 its workers, sampled every 0.1 s with psutil; forked workers share pages, counted in each) and the recipe process's
 own peak (Linux `VmHWM`). Goal: 2 GB / 50 MB <= 1.15.
 
 The box is shared: the table prints `uptime`'s load next to the numbers; re-run on a quiet machine for the record.
 """
 
+import copy
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -66,6 +68,7 @@ class LoaderArguments:
     vocab_size: int = field(default=32768, metadata={"help": "BPE vocabulary"})
     max_seq_len: int = field(default=2048, metadata={"help": "packed row length"})
     throughput_tokens: int = field(default=3_000_000, metadata={"help": "packed tokens per throughput measurement"})
+    rounds: int = field(default=3, metadata={"help": "loader and encode_batch measurements (medians reported)"})
     workers: list[int] = field(default_factory=lambda: [1, 2], metadata={"help": "DataLoader worker counts"})
     skip_memory: bool = field(default=False, metadata={"help": "throughput only"})
     json: str | None = field(default=None, metadata={"help": "write the results here (JSON)"})
@@ -109,34 +112,41 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def encode_rate(tokenizer, documents: list[str], max_tokens: int) -> dict:
-    backend, tokens, start = tokenizer.backend_tokenizer, 0, time.perf_counter()
-    for i in range(0, len(documents), 64):
-        tokens += sum(len(e.ids) + 1 for e in backend.encode_batch_fast(documents[i:i + 64],
-                                                                        add_special_tokens=False))
+def encode_rate(packed: PackedStream, warmup_documents: int, max_tokens: int) -> dict:
+    """`encode_batch_fast` over the documents of stream 0 of 1 in the loader's reading order (batches of
+    `read_batch`), after `warmup_documents` untimed ones (the loader's first batch reads as many to fill its buffers);
+    tokens produced per second."""
+    backend, tokens, read, seconds = packed.tokenizer.backend_tokenizer, 0, 0, 0.0
+    for texts, _, _ in packed.source.batches():
+        start = time.perf_counter()
+        produced = sum(len(e.ids) + 1 for e in backend.encode_batch_fast(texts, add_special_tokens=False))
+        if read >= warmup_documents:
+            seconds += time.perf_counter() - start
+            tokens += produced
+        read += len(texts)
         if tokens >= max_tokens:
             break
-    seconds = time.perf_counter() - start
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
 
 
 def loader_rate(packed: PackedStream, max_tokens: int, batch_size: int = 16) -> dict:
-    """After the first batch (which fills the shuffle and packing buffers), batches of rows with a snapshot each."""
+    """Batches of rows with a state update each (what a batch carries to the trainer), timed after the first batch, which
+    fills the shuffle and packing buffers; also how many documents that first batch read."""
     reader = packed.reader()
-    warmup = time.perf_counter()
     for _ in range(batch_size):
         reader.next_row()
-    warmup, before, start = time.perf_counter() - warmup, PackingReport.from_dict(vars(reader.packer.report)), \
-        time.perf_counter()
+    warmup_documents, before = reader.counts["documents"], PackingReport.from_dict(vars(reader.packer.report))
+    start = time.perf_counter()
     while reader.packer.report.packed_tokens - before.packed_tokens < max_tokens:
         for _ in range(batch_size):
             reader.next_row()
-        reader.snapshot()  # what every batch carries to the trainer
+        reader.update()  # what every batch carries to the trainer
     seconds = time.perf_counter() - start
     report = reader.packer.report
-    packed_tokens, input_tokens = report.packed_tokens - before.packed_tokens, report.input_tokens - before.input_tokens
-    return {"first_batch_seconds": warmup, "seconds": seconds, "packed_tokens_per_second": packed_tokens / seconds,
-            "input_tokens_per_second": input_tokens / seconds, "cropped_share": report.cropped_share}
+    return {"warmup_documents": warmup_documents, "seconds": seconds,
+            "packed_tokens_per_second": (report.packed_tokens - before.packed_tokens) / seconds,
+            "input_tokens_per_second": (report.input_tokens - before.input_tokens) / seconds,
+            "cropped_share": report.cropped_share}
 
 
 def dataloader_rate(packed: PackedStream, workers: int, max_tokens: int, batch_size: int = 16) -> dict:
@@ -155,10 +165,10 @@ def dataloader_rate(packed: PackedStream, workers: int, max_tokens: int, batch_s
 def recipe_memory(corpus: Path, tokenizer_dir: Path, output_dir: Path) -> dict:
     command = [sys.executable, str(REPO_ROOT / "recipes" / "pretrain.py"), "--dataset", str(corpus),
                "--document_separator", SEPARATOR, "--tokenizer_name_or_path", str(tokenizer_dir),
-               "--output_dir", str(output_dir), "--max_steps", "20", "--depth", "2", "--aspect_ratio", "64",
-               "--head_dim", "64", "--max_seq_len", "512", "--window_pattern", "SL", "--per_device_train_batch_size",
-               "8", "--dataloader_num_workers", "2", "--val_fraction", "0.01", "--max_eval_rows", "32",
-               "--eval_steps", "20", "--logging_steps", "10", "--document_max_chars", "0", "--report_to", "none",
+               "--output_dir", str(output_dir), "--max_steps", "20", "--depth", "2", "--aspect_ratio", "32",
+               "--head_dim", "32", "--max_seq_len", "256", "--window_pattern", "SL", "--per_device_train_batch_size",
+               "4", "--per_device_eval_batch_size", "4", "--dataloader_num_workers", "2", "--val_fraction", "0.01",
+               "--max_eval_rows", "16", "--eval_steps", "20", "--logging_steps", "10", "--report_to", "none",
                "--disable_tqdm", "true", "--sample_prompts", "The"]
     start, log = time.perf_counter(), output_dir.with_suffix(".log")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -201,14 +211,21 @@ def main(args: LoaderArguments) -> dict:
 
     corpus = open_corpus(str(small), document_separator=SEPARATOR)
     source = DocumentSource(corpus, DocumentSplit(0.01, seed=0), seed=0)
-    packed = PackedStream(source, tokenizer, args.max_seq_len, document_max_chars=0)
-    sample = [t for texts, _, _ in DocumentSource(corpus, read_batch=1000, passes=1).batches() for t in texts][:4000]
-    results["encode_batch"] = encode_rate(tokenizer, sample, args.throughput_tokens)
-    results["loader"] = loader_rate(packed, args.throughput_tokens)
-    results["dataloader"] = [dataloader_rate(packed, w, args.throughput_tokens) for w in args.workers]
+
+    def fresh_stream():  # a tokenizer copy of its own: every measurement starts from an empty BPE cache
+        return PackedStream(source, copy.deepcopy(tokenizer), args.max_seq_len, document_max_chars=0)
+
+    results["rounds"] = []
+    for _ in range(args.rounds):  # alternating, so that both see the same load
+        loader = loader_rate(fresh_stream(), args.throughput_tokens)
+        encode = encode_rate(fresh_stream(), loader["warmup_documents"], args.throughput_tokens)
+        results["rounds"].append({"loader": loader, "encode_batch": encode})
+    results["dataloader"] = [dataloader_rate(fresh_stream(), w, args.throughput_tokens) for w in args.workers]
     results["load_after_throughput"] = load_average()
-    encode = results["encode_batch"]["tokens_per_second"]
-    loader = results["loader"]
+    encode = statistics.median(r["encode_batch"]["tokens_per_second"] for r in results["rounds"])
+    loader = {key: statistics.median(r["loader"][key] for r in results["rounds"])
+              for key in ("input_tokens_per_second", "packed_tokens_per_second", "cropped_share")}
+    results["median"] = {"encode_batch_tokens_per_second": encode, **loader}
     rows = [("encode_batch_fast (1 thread)", encode, "1.00", ""),
             ("loader, main process (input tokens)", loader["input_tokens_per_second"],
              f"{loader['input_tokens_per_second'] / encode:.2f}", "goal >= 0.90"),

@@ -179,12 +179,15 @@ def test_a_datasets_folder_is_streamed_shard_by_shard(tmp_path, paragraphs):
     for i in range(2):
         pq.write_table(pa.table({"content": paragraphs[i:400:2]}), tmp_path / "repo" / "data" / f"train-{i}.parquet")
     corpus = sources.open_corpus(str(tmp_path / "repo"), text_column="content")
+    files = ["data/train-0.parquet", "data/train-1.parquet"]
     assert len(corpus.shards) == 2 and corpus.datasets == [
-        {"name": str(tmp_path / "repo"), "config": None, "split": "train", "shards": 2}]
+        {"name": str(tmp_path / "repo"), "config": None, "split": "train", "shards": 2, "data_files": files}]
+    assert [f.name for f in corpus.files] == files
+    assert corpus.files[0].sha256 == hashlib.sha256((tmp_path / "repo" / files[0]).read_bytes()).hexdigest()
     texts = sorted(t for s in corpus.shards for b, _ in read_all(s) for t in b)
     assert texts == sorted(paragraphs[:400])
     with pytest.raises(ValueError, match="no column 'text'"):
-        read_all(sources.open_corpus(str(tmp_path / "repo")).shards[0])
+        sources.open_corpus(str(tmp_path / "repo"))
 
 
 def test_split_is_seeded_by_content_and_disjoint(paragraphs):
@@ -253,24 +256,39 @@ def test_stream_rows_are_bos_aligned_and_buffers_bounded(packed, tokenizer):
 
 def test_stream_resumes_exactly_from_a_snapshot(packed, tmp_path):
     reader = packed.reader(1, 2)
-    for _ in range(37):
-        reader.next_row()
+    progress = streaming.StreamProgress(packed.fingerprint(), rank=0, world_size=1, workers=2)
+    for batch in range(9):  # the main process rebuilds the snapshot from what each batch carries
+        rows = np.stack([reader.next_row() for _ in range(4 + batch)])
+        progress.consume(streaming.WorkerState(1, reader.update()), torch.from_numpy(rows.astype(np.int64)))
     snapshot = reader.snapshot()
+    assert progress.worker_snapshots()[1]["meta"] == snapshot["meta"]
     expected = [reader.next_row() for _ in range(80)]
     resumed = packed.reader(1, 2, snapshot)
     assert all((a == b).all() for a, b in zip(expected, (resumed.next_row() for _ in range(80))))
-    # through a checkpoint file
-    progress = streaming.StreamProgress(packed.fingerprint(), rank=0, world_size=1, workers=2)
-    progress.consume(streaming.WorkerState(1, snapshot), torch.zeros(4, 64, dtype=torch.long))
+    # the rebuilt snapshot, through a checkpoint file
     progress.save(tmp_path)
     loaded = streaming.StreamProgress.load(tmp_path, packed.fingerprint(), rank=0, world_size=1, workers=2)
-    assert (loaded.batches, loaded.sha256) == (1, progress.sha256)
+    assert (loaded.batches, loaded.sha256) == (9, progress.sha256)
     again = packed.reader(1, 2, loaded.worker_snapshots()[1])
     assert all((a == b).all() for a, b in zip(expected, (again.next_row() for _ in range(80))))
     with pytest.raises(ValueError, match="resume with the same numbers"):
         streaming.StreamProgress.load(tmp_path, packed.fingerprint(), rank=0, world_size=1, workers=3)
     with pytest.raises(ValueError, match="differs in: max_seq_len"):
         streaming.StreamProgress.load(tmp_path, {**packed.fingerprint(), "max_seq_len": 32}, 0, 1, 2)
+
+
+def test_updates_carry_about_a_batch_of_tokens(packed):
+    """A batch's state update holds the buffers by key and the pieces new since the previous batch, not the buffers'
+    tokens: its size follows the batch, not the buffers."""
+    reader = streaming.PackedStream(packed.source, packed.tokenizer, 64, 200, packing_buffer=500,
+                                    shuffle_buffer=500).reader()
+    reader.next_row()
+    reader.update()
+    buffered = sum(len(tokens) for _, tokens in reader.snapshot()["buffers"]["packer"])
+    for _ in range(8):
+        reader.next_row()
+    new = sum(len(tokens) for tokens in reader.update()["new"].values())
+    assert 0 < new < buffered / 4  # 8 rows of 64 tokens and what a read batch of 16 documents adds
 
 
 def test_samples_for_tokenizer_and_allocation_are_bounded(packed):

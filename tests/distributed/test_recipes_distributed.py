@@ -4,19 +4,25 @@ DeepSpeed ZeRO-2 / ZeRO-3 (zero2.yaml, zero3.yaml), each launched with `accelera
 Every run is checked for the world size its `TrainingArguments` set up on each rank, a falling loss and a saved
 model or adapter that loads; 2-process runs must equal the single-process run on the same global batch.
 
-Tolerances, from the 2026-11-21 measurements on a 2-core CPU (dev/LOG.md, issue 6):
-- AdamW, 2 processes vs 1: weights within 1.7e-5 (relative Frobenius norm per tensor), eval loss within 5e-7.
-  Allowed: 1e-4 and 1e-5. ZeRO-2 gave weights bit-identical to DDP; ZeRO-3 matched to the same 1.7e-5.
+Tolerances, from the 2026-11-21 measurements on a 2-core CPU (dev/LOG.md, issue 6), re-measured 2026-11-23 (issue 13)
+after the training data became a stream and the 1-process reference became 1 process x 2 DataLoader workers x 2
+accumulated batches of 4 rows (it was 1 x 8 rows):
+- AdamW, 2 processes vs 1: weights within 1.7e-5 (relative Frobenius norm per tensor), eval loss within 5e-7; since
+  issue 13 DDP is bit-identical (2 accumulated micro-batches sum the gradients as the 2-rank all-reduce does) and
+  ZeRO-2 / ZeRO-3 are within 1.2e-6. Allowed: 1e-4 and 1e-5.
 - Muon, 2 processes vs 1: weights within 1.7e-3 (the AdamW-driven scalars and embeddings: near-zero gradients
   divided by sqrt(v) turn round-off into +-lr steps), eval loss within 9e-5; after `encodings/` left the stdlib
-  corpus (other documents), the L3 key table differed by 2.8e-2. Allowed: 5e-2 and 1e-3; training on half the
-  global batch instead (no all-reduce) moves the weights by 4.1 (`test_muon_tolerance_can_tell`).
+  corpus (other documents), the L3 key table differed by 2.8e-2; since issue 13 DDP is bit-identical. Allowed: 5e-2
+  and 1e-3; training on half the global batch instead (no all-reduce) moves the weights by 1.4
+  (`test_muon_tolerance_can_tell`).
 - Resuming from the step-10 checkpoint: bit-identical weights and eval loss in both DDP and ZeRO-2. Allowed: 1e-6.
-  The resumed run trains on exactly the uninterrupted run's rows of steps 11-20 on every rank (row hashes).
+  The resumed run trains on exactly the uninterrupted run's rows of steps 11-20 on every rank (row hashes), the
+  stream state coming from the checkpoint (DDP: read in one DataLoader worker per rank).
 - SFT LoRA, 2 processes vs 1 (DDP, ZeRO-2, ZeRO-3): adapters within 3.9e-7, equal eval loss; on the base model
-  trained from the new corpus, 1.4e-5 (DDP, ZeRO-3) and 5.3e-5 (ZeRO-2): reduction-order round-off. Allowed: 1e-3
-  and 1e-5 (without the gradient all-reduce the eval loss was 1e-2 off). (The recipe evaluates at step 0 inside train(); an evaluate() before train() left DDP unwrapped and gave
-  ZeRO an inference engine.)
+  trained from the new corpus, 1.4e-5 (DDP, ZeRO-3) and 5.3e-5 (ZeRO-2): reduction-order round-off; on the base
+  model of the streamed data (issue 13), 1.9e-6. Allowed: 1e-3 and 1e-5 (without the gradient all-reduce the eval
+  loss was 1e-2 off). (The recipe evaluates at step 0 inside train(); an evaluate() before train() left DDP unwrapped
+  and gave ZeRO an inference engine.)
 """
 
 import json

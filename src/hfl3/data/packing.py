@@ -74,11 +74,13 @@ class PackingReport:
 class BestFitPacker:
     """BOS-aligned best-fit packing (nanochat's dataloader): rows of exactly `max_seq_len` tokens, no padding.
 
-    Documents (1-D integer arrays, each starting with BOS) enter a buffer of `buffer_size` in the order they are
-    pulled. A row takes the buffered document of the largest length that still fits the space left; only when none
-    fits is the shortest document cropped to fill the row (its tail is dropped and counted). After every document
-    taken the buffer is refilled, so the rows depend only on the order of the documents. Every row starts with BOS,
-    documents mostly stay whole, and when the source runs out the last, partial row is dropped and counted as cropped.
+    Documents enter a buffer of `buffer_size` in the order they are pulled, as `(key, tokens)` pairs: `tokens` a 1-D
+    integer array starting with BOS, `key` an int naming the document (`state()` lists the buffer by keys, so that a
+    copy of it elsewhere can follow with only the new documents). A row takes the buffered document of the largest
+    length that still fits the space left; only when none fits is the shortest document cropped to fill the row (its
+    tail is dropped and counted). After every document taken the buffer is refilled, so the rows depend only on the
+    order of the documents. Every row starts with BOS, documents mostly stay whole, and when the source runs out the
+    last, partial row is dropped and counted as cropped.
     """
 
     def __init__(self, max_seq_len: int, buffer_size: int = 1000):
@@ -87,44 +89,44 @@ class BestFitPacker:
         self.max_seq_len, self.buffer_size = max_seq_len, buffer_size
         self.report = PackingReport()
         self._lengths: list[int] = []  # sorted lengths of the buffered documents
-        self._by_length: dict[int, list[np.ndarray]] = {}
+        self._by_length: dict[int, list[tuple[int, np.ndarray]]] = {}
 
     def __len__(self) -> int:
         return len(self._lengths)
 
-    def _add(self, document: np.ndarray) -> None:
-        insort(self._lengths, len(document))
-        self._by_length.setdefault(len(document), []).append(document)
+    def _add(self, document: tuple[int, np.ndarray]) -> None:
+        insort(self._lengths, len(document[1]))
+        self._by_length.setdefault(len(document[1]), []).append(document)
 
     def _take(self, length: int) -> np.ndarray:
         self._lengths.pop(bisect_right(self._lengths, length) - 1)
         documents = self._by_length[length]
-        document = documents.pop()
+        _, tokens = documents.pop()
         if not documents:
             del self._by_length[length]
-        return document
+        return tokens
 
-    def _fill(self, pull: Callable[[], np.ndarray | None]) -> None:
+    def _fill(self, pull: Callable[[], tuple[int, np.ndarray] | None]) -> None:
         while len(self._lengths) < self.buffer_size:
             document = pull()
             if document is None:
                 return
             self._add(document)
 
-    def next_row(self, pull: Callable[[], np.ndarray | None]) -> np.ndarray | None:
-        """The next row `(max_seq_len,)`, pulling documents with `pull()` (None: the source is exhausted); None when
-        the source and the buffer are exhausted."""
+    def next_row(self, pull: Callable[[], tuple[int, np.ndarray] | None]) -> np.ndarray | None:
+        """The next row `(max_seq_len,)`, pulling `(key, tokens)` documents with `pull()` (None: the source is
+        exhausted); None when the source and the buffer are exhausted."""
         self._fill(pull)
         pieces, space = [], self.max_seq_len
         while space and self._lengths:
             fit = bisect_right(self._lengths, space)
-            document = self._take(self._lengths[fit - 1] if fit else self._lengths[0])
+            tokens = self._take(self._lengths[fit - 1] if fit else self._lengths[0])
             self.report.documents += 1
-            if len(document) > space:
-                self.report.cropped_tokens += len(document) - space
-                document = document[:space]
-            pieces.append(document)
-            space -= len(document)
+            if len(tokens) > space:
+                self.report.cropped_tokens += len(tokens) - space
+                tokens = tokens[:space]
+            pieces.append(tokens)
+            space -= len(tokens)
             self._fill(pull)
         if space:  # the source ran out: the partial row is dropped
             self.report.cropped_tokens += self.max_seq_len - space
@@ -133,16 +135,15 @@ class BestFitPacker:
         self.report.packed_tokens += self.max_seq_len
         return np.concatenate(pieces)
 
-    def state(self) -> tuple[np.ndarray, np.ndarray]:
-        """The buffered documents as `(tokens, lengths)`: concatenated in an order that `from_state` turns back into
-        the same buffer (so the same rows follow)."""
-        documents = [document for length in sorted(self._by_length) for document in self._by_length[length]]
-        return concatenate_documents(documents)
+    def state(self) -> list[tuple[int, np.ndarray]]:
+        """The buffered `(key, tokens)` documents in an order that `load_state` turns back into the same buffer (so
+        the same rows follow)."""
+        return [document for length in sorted(self._by_length) for document in self._by_length[length]]
 
-    def load_state(self, tokens: np.ndarray, lengths: np.ndarray, report: PackingReport) -> None:
+    def load_state(self, documents: list[tuple[int, np.ndarray]], report: PackingReport) -> None:
         """Replace the buffer and the counters with a saved `state()` and report."""
         self._lengths, self._by_length = [], {}
-        for document in split_concatenated(tokens, lengths):
+        for document in documents:
             self._add(document)
         self.report = report
 

@@ -166,7 +166,12 @@ class DatasetsSource:
         return _load_streaming(self.path, self.config, self.split, self.data_files)
 
     def shards(self) -> list[DatasetsShard]:
-        self.num_shards = self.open().num_shards
+        """Its shards; raises `ValueError` when the dataset's features are known and lack `text_column`."""
+        dataset = self.open()
+        if dataset.features is not None and self.text_column not in dataset.features:
+            raise ValueError(f"{self.name}: no column {self.text_column!r} (columns: {sorted(dataset.features)}); "
+                             "set --text_column")
+        self.num_shards = dataset.num_shards
         return [DatasetsShard(self, i, f"{self.name}#{i}" if self.num_shards > 1 else self.name)
                 for i in range(self.num_shards)]
 
@@ -236,10 +241,7 @@ def open_corpus(spec: str, text_column: str = "text", split: str = "train", data
                 else document_separator or None
             _add_files(corpus, files, separator, skip_invalid, text_column, excluded)
         else:
-            source = DatasetsSource(entry, entry, text_column, dataset_config, split)
-            shards = source.shards()
-            corpus.shards += shards
-            corpus.datasets.append({"name": entry, "config": dataset_config, "split": split, "shards": len(shards)})
+            _add_datasets(corpus, DatasetsSource(entry, entry, text_column, dataset_config, split))
     if corpus.skipped:
         logger.warning("corpus %s: skipped %d file(s) (listed in the metadata)", spec, len(corpus.skipped))
         logger.debug("skipped: %s", corpus.skipped)
@@ -291,6 +293,23 @@ def _add_files(corpus: Corpus, files: list[tuple[Path, str]], separator: str | N
             corpus.shards += DatasetsSource(builder, name, text_column, data_files=(str(path),)).shards()
         else:
             corpus.shards.append(TextShard(str(path), name, separator if path.suffix == ".txt" else None))
+
+
+def _add_datasets(corpus: Corpus, source: "DatasetsSource") -> None:
+    """A `datasets` name or folder: its shards; its data files (a folder's with size and sha256, the Hub's as URLs
+    that name the revision) into the report."""
+    corpus.shards += source.shards()
+    data_files = datasets.load_dataset_builder(source.path, source.config).config.data_files or {}
+    names, folder = [str(f) for f in data_files.get(source.split, [])], Path(source.path)
+    if folder.is_dir():
+        files, names = names, []
+        for file in map(Path, files):
+            size, sha256, _ = inspect_file(file, check_text=False)
+            names.append(file.relative_to(folder).as_posix())
+            corpus.files.append(SourceFile(names[-1], size, sha256))
+            corpus.local_paths.add(file.resolve())
+    corpus.datasets.append({"name": source.name, "config": source.config, "split": source.split,
+                            "shards": source.num_shards, "data_files": names})
 
 
 def inspect_file(path: Path, check_text: bool) -> tuple[int, str, str | None]:

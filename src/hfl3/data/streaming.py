@@ -9,12 +9,13 @@ as there are (process, DataLoader worker) pairs, each stream's state small enoug
   split_dataset_by_node`), reads them in a seeded order that changes every pass, and loops forever (training) or
   stops after `passes`.
 - `PackedStream`: a `torch` `IterableDataset` of rows `(max_seq_len,)`; `reader(i, n, snapshot)` is one stream with
-  its buffers, `snapshot()` is its exact state (position in the corpus, buffered documents, shuffle RNG, counters).
+  its buffers, `snapshot()` is its exact state (position in the corpus, buffered pieces, shuffle RNG, counters).
 - `StreamBatches` / `stream_dataloader`: the DataLoader for the Trainer. DataLoader worker `w` of process `r` is stream
-  `r * W + w` of `world_size * W` (`W = max(1, num_workers)`); every batch carries its stream's snapshot taken right
-  after its last row, so the main process always holds the state that resumes exactly after what it consumed.
-- `StreamProgress`: what the main process consumed: the latest snapshot of each worker, the number of batches and the
-  chained sha256 of the consumed token rows; saved with every checkpoint and loaded to resume.
+  `r * W + w` of `world_size * W` (`W = max(1, num_workers)`); every batch carries its stream's `update()` taken right
+  after its last row (the buffers by key, plus the pieces new since the previous batch: about a batch of tokens), so
+  the main process always holds the state that resumes exactly after what it consumed.
+- `StreamProgress`: what the main process consumed: each worker's snapshot rebuilt from its updates, the number of
+  batches and the chained sha256 of the consumed token rows; saved with every checkpoint and loaded to resume.
 
 Memory: the shuffle buffer and the packing buffer (documents), one read batch and one row batch per stream.
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.numpy import load_file, save_file
 
 from hfl3.data.packing import BestFitPacker, PackingReport, chunk_text, concatenate_documents, split_concatenated
 from hfl3.data.sources import Corpus
@@ -203,19 +204,25 @@ class PackedStream(torch.utils.data.IterableDataset):
 
 
 class StreamReader:
-    """Stream `stream` of `num_streams` of a `PackedStream`, resumable from one of its `snapshot()`s."""
+    """Stream `stream` of `num_streams` of a `PackedStream`, resumable from one of its `snapshot()`s.
+
+    Every tokenized piece gets a key (its arrival number), so that `update()` can describe the state after a batch
+    by the keys in each buffer and only the pieces that arrived since the previous update: what a DataLoader worker
+    sends along with a batch, about one batch of tokens however large the buffers (`StreamProgress` rebuilds the
+    full snapshot in the main process)."""
 
     def __init__(self, packed: PackedStream, stream: int, num_streams: int, snapshot: dict | None = None):
         self.packed, self.stream, self.num_streams = packed, stream, num_streams
         self.packer = BestFitPacker(packed.max_seq_len, packed.packing_buffer)
         self.rng = np.random.default_rng([packed.source.seed, stream, SHUFFLE_RNG_TAG])
-        self.documents: list[np.ndarray] = []  # tokenized pieces waiting in the shuffle buffer
-        self.position, self.counts = None, {"documents": 0, "held_out": 0}
+        self.documents: list[tuple[int, np.ndarray]] = []  # (key, tokens) pieces waiting in the shuffle buffer
+        self.position, self.counts, self.keys = None, {"documents": 0, "held_out": 0}, 0
+        self._arrived: dict[int, np.ndarray] = {}  # pieces tokenized since the last update()
         if snapshot is not None:
             self._restore(snapshot)
         self._batches = packed.source.batches(stream, num_streams, self.position)
 
-    def _pull(self) -> np.ndarray | None:
+    def _pull(self) -> tuple[int, np.ndarray] | None:
         shuffle = self.packed.shuffle_buffer > 0
         while len(self.documents) < max(1, self.packed.shuffle_buffer):
             batch = next(self._batches, None)
@@ -224,13 +231,16 @@ class StreamReader:
             texts, held_out, self.position = batch
             self.counts["documents"] += len(texts)
             self.counts["held_out"] += held_out
+            pieces = list(enumerate(self.packed.tokenize(texts), start=self.keys))
+            self.keys += len(pieces)
+            self._arrived.update(pieces)
             if shuffle:
-                self.documents += self.packed.tokenize(texts)
-            else:  # in order: the next document is the last one of the list
-                self.documents[:0] = reversed(self.packed.tokenize(texts))
+                self.documents += pieces
+            else:  # in order: the next piece is the last one of the list
+                self.documents[:0] = reversed(pieces)
         if not self.documents:
             return None
-        if shuffle:  # swap the drawn document with the last one
+        if shuffle:  # swap the drawn piece with the last one
             index = int(self.rng.integers(len(self.documents)))
             self.documents[index], self.documents[-1] = self.documents[-1], self.documents[index]
         return self.documents.pop()
@@ -239,32 +249,41 @@ class StreamReader:
         """The next row `(max_seq_len,)`, or None once a finite source is exhausted."""
         return self.packer.next_row(self._pull)
 
+    def _meta(self) -> dict:
+        return {"stream": [self.stream, self.num_streams], "position": self.position, "counts": dict(self.counts),
+                "keys": self.keys, "rng": self.rng.bit_generator.state, "report": asdict(self.packer.report)}
+
     def snapshot(self) -> dict:
-        """The exact state after the last row returned: `{"meta": JSON-safe dict, "tensors": {name: tensor}}`."""
-        documents, document_lengths = concatenate_documents(self.documents)
-        packer, packer_lengths = self.packer.state()
-        meta = {"stream": [self.stream, self.num_streams], "position": self.position, "counts": dict(self.counts),
-                "rng": self.rng.bit_generator.state, "report": asdict(self.packer.report)}
-        arrays = {"documents": documents, "document_lengths": document_lengths, "packer": packer,
-                  "packer_lengths": packer_lengths}
-        return {"meta": meta, "tensors": {name: torch.from_numpy(array) for name, array in arrays.items()}}
+        """The exact state after the last row returned: `{"meta": JSON-safe dict, "buffers": {"documents": [(key,
+        tokens), ...], "packer": [...]}}` (the arrays are shared with the reader, which never changes them)."""
+        return {"meta": self._meta(), "buffers": {"documents": list(self.documents), "packer": self.packer.state()}}
+
+    def update(self) -> dict:
+        """What changed since the previous `update()` (or the start): `{"meta": ..., "order": {buffer: keys},
+        "new": {key: tokens}}`: the keys of each buffer in `snapshot()` order and the buffered pieces that arrived
+        since. Applied in turn by `StreamProgress.consume`, it rebuilds `snapshot()`."""
+        order = {"documents": [key for key, _ in self.documents], "packer": [key for key, _ in self.packer.state()]}
+        new = {key: self._arrived[key] for keys in order.values() for key in keys if key in self._arrived}
+        self._arrived = {}
+        return {"meta": self._meta(), "order": {name: np.array(keys, dtype=np.int64) for name, keys in order.items()},
+                "new": new}
 
     def _restore(self, snapshot: dict) -> None:
-        meta, tensors = snapshot["meta"], {name: t.numpy() for name, t in snapshot["tensors"].items()}
+        meta, buffers = snapshot["meta"], snapshot["buffers"]
         if meta["stream"] != [self.stream, self.num_streams]:
             raise ValueError(f"snapshot of stream {meta['stream']} given to stream {[self.stream, self.num_streams]}")
-        self.position, self.counts = meta["position"], dict(meta["counts"])
+        self.position, self.counts, self.keys = meta["position"], dict(meta["counts"]), meta["keys"]
         self.rng.bit_generator.state = meta["rng"]
-        self.documents = split_concatenated(tensors["documents"], tensors["document_lengths"])
-        self.packer.load_state(tensors["packer"], tensors["packer_lengths"], PackingReport.from_dict(meta["report"]))
+        self.documents = list(buffers["documents"])
+        self.packer.load_state(buffers["packer"], PackingReport.from_dict(meta["report"]))
 
 
 class WorkerState:
-    """The snapshot of DataLoader worker `role`'s stream after a batch. A plain object, so that `pin_memory` leaves it
-    alone; its tensors travel from the worker process through shared memory."""
+    """DataLoader worker `role`'s `StreamReader.update()` after a batch. A plain object, so that `pin_memory` leaves
+    it alone."""
 
-    def __init__(self, role: int, snapshot: dict):
-        self.role, self.snapshot = role, snapshot
+    def __init__(self, role: int, update: dict):
+        self.role, self.update = role, update
 
 
 @dataclass
@@ -294,7 +313,7 @@ class StreamBatches(torch.utils.data.IterableDataset):
             rows = [reader.next_row() for _ in range(self.batch_size)]
             if any(row is None for row in rows):
                 return
-            yield StreamBatch(np.stack(rows), WorkerState(role, reader.snapshot()))
+            yield StreamBatch(np.stack(rows), WorkerState(role, reader.update()))
 
 
 def stream_dataloader(packed: PackedStream, batch_size: int, collate_fn, progress: "StreamProgress",
@@ -309,51 +328,61 @@ def stream_dataloader(packed: PackedStream, batch_size: int, collate_fn, progres
 
 
 class StreamProgress:
-    """What process `rank` consumed from its stream: the latest `WorkerState` of each of its `workers` roles, the
-    number of batches, and `sha256`, the chained digest of the consumed rows: `c_0 = sha256(b"")`, `c_b =
-    sha256(c_{b-1} ‖ batch_b)` with `c` as 32 raw bytes and `batch_b` the batch's `input_ids` as int64 little-endian,
-    rows in order. Chaining (a `hashlib` object cannot be saved) makes the digest of a resumed run equal that of an
-    uninterrupted one."""
+    """What process `rank` consumed from its stream: for each of its `workers` roles the snapshot after the last
+    consumed batch (rebuilt from the workers' updates), the number of batches, and `sha256`, the chained digest of
+    the consumed rows: `c_0 = sha256(b"")`, `c_b = sha256(c_{b-1} ‖ batch_b)` with `c` as 32 raw bytes and
+    `batch_b` the batch's `input_ids` as int64 little-endian, rows in order. Chaining (a `hashlib` object cannot be
+    saved) makes the digest of a resumed run equal that of an uninterrupted one."""
 
     def __init__(self, fingerprint: dict, rank: int, world_size: int, workers: int):
         self.fingerprint, self.rank, self.world_size, self.workers = fingerprint, rank, world_size, max(1, workers)
         self.batches, self.sha256 = 0, _EMPTY_SHA256
-        self.states: dict[int, WorkerState] = {}
+        self.latest: dict[int, dict] = {}  # role -> {"meta", "order"} of its last consumed batch
+        self.pieces: dict[int, dict[int, np.ndarray]] = {}  # role -> key -> tokens of the pieces in its buffers
 
     def consume(self, state: WorkerState, input_ids: torch.Tensor) -> None:
-        self.states[state.role] = state
+        pieces = {**self.pieces.get(state.role, {}), **state.update["new"]}
+        order = state.update["order"]
+        self.pieces[state.role] = {int(key): pieces[int(key)] for keys in order.values() for key in keys}
+        self.latest[state.role] = {"meta": state.update["meta"], "order": order}
         self.batches += 1
         rows = input_ids.detach().cpu().numpy().astype("<i8", copy=False)
         self.sha256 = hashlib.sha256(bytes.fromhex(self.sha256) + np.ascontiguousarray(rows).tobytes()).hexdigest()
 
     def worker_snapshots(self) -> dict[int, dict]:
-        return {role: state.snapshot for role, state in self.states.items()}
+        """Per role, the `StreamReader.snapshot()` after its last consumed batch."""
+        return {role: {"meta": latest["meta"],
+                       "buffers": {name: [(int(key), self.pieces[role][int(key)]) for key in keys]
+                                   for name, keys in latest["order"].items()}}
+                for role, latest in self.latest.items()}
 
     def summary(self) -> dict:
         """JSON-safe: batches, digest, the packing report and document counts summed over the worker streams."""
         report, counts = PackingReport(), {"documents": 0, "held_out": 0}
-        for state in self.states.values():
-            report += PackingReport.from_dict(state.snapshot["meta"]["report"])
+        for latest in self.latest.values():
+            report += PackingReport.from_dict(latest["meta"]["report"])
             for key in counts:
-                counts[key] += state.snapshot["meta"]["counts"][key]
-        epochs = [state.snapshot["meta"]["position"]["epoch"] for state in self.states.values()]
+                counts[key] += latest["meta"]["counts"][key]
+        epochs = [latest["meta"]["position"]["epoch"] for latest in self.latest.values()]
         return {"rank": self.rank, "batches": self.batches, "sha256": self.sha256, "packing": report.as_dict(),
                 "documents": counts["documents"], "held_out_documents": counts["held_out"],
                 "completed_passes": max(epochs, default=0)}
 
     def save(self, folder: str | os.PathLike) -> Path:
-        """`folder/data_state_rank{rank}.safetensors` (written to a temporary file, then renamed): the worker
-        snapshots' arrays as tensors, everything else as JSON in the header metadata."""
-        tensors, snapshots = {}, {}
-        for role, state in self.states.items():
-            snapshots[role] = state.snapshot["meta"]
-            for name, tensor in state.snapshot["tensors"].items():
-                tensors[f"role{role}.{name}"] = tensor.contiguous()
+        """`folder/data_state_rank{rank}.safetensors` (written to a temporary file, then renamed): per role and
+        buffer the pieces' keys, lengths and tokens end to end as arrays, everything else as JSON in the header."""
+        arrays, snapshots = {}, {}
+        for role, snapshot in self.worker_snapshots().items():
+            snapshots[role] = snapshot["meta"]
+            for name, documents in snapshot["buffers"].items():
+                tokens, lengths = concatenate_documents([tokens for _, tokens in documents])
+                arrays |= {f"role{role}.{name}.tokens": tokens, f"role{role}.{name}.lengths": lengths,
+                           f"role{role}.{name}.keys": np.array([key for key, _ in documents], dtype=np.int64)}
         meta = {"fingerprint": self.fingerprint, "world_size": self.world_size, "workers": self.workers,
                 "batches": self.batches, "sha256": self.sha256, "snapshots": snapshots}
         path = Path(folder) / STATE_FILE.format(rank=self.rank)
         temporary = path.with_name(f".{path.name}.tmp")
-        save_file(tensors, temporary, metadata={"hfl3_stream_progress": json.dumps(meta)})
+        save_file(arrays, temporary, metadata={"hfl3_stream_progress": json.dumps(meta)})
         os.replace(temporary, path)
         return path
 
@@ -371,7 +400,7 @@ class StreamProgress:
             raise FileNotFoundError(f"{path} is missing: {folder} has no data stream state for rank {rank} (saved "
                                     "by another version, or interrupted while saving); resume from another checkpoint")
         progress = cls(fingerprint, rank, world_size, workers)
-        with safe_open(path, "pt") as f:
+        with safe_open(path, "np") as f:
             meta = json.loads(f.metadata()["hfl3_stream_progress"])
         if meta["fingerprint"] != fingerprint:
             changed = sorted(k for k in fingerprint if meta["fingerprint"].get(k) != fingerprint[k])
@@ -381,9 +410,15 @@ class StreamProgress:
             raise ValueError(f"{folder} was written by {meta['world_size']} process(es) with "
                              f"{meta['workers']} stream(s) each (--dataloader_num_workers, at least 1); now "
                              f"{world_size} and {progress.workers}: resume with the same numbers")
-        tensors = load_file(path)
+        arrays = load_file(path)
         progress.batches, progress.sha256 = meta["batches"], meta["sha256"]
         for role, snapshot_meta in meta["snapshots"].items():
-            arrays = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith(f"role{role}.")}
-            progress.states[int(role)] = WorkerState(int(role), {"meta": snapshot_meta, "tensors": arrays})
+            order, pieces = {}, {}
+            for name in ("documents", "packer"):
+                keys = arrays[f"role{role}.{name}.keys"]
+                tokens = split_concatenated(arrays[f"role{role}.{name}.tokens"], arrays[f"role{role}.{name}.lengths"])
+                order[name] = keys
+                pieces |= dict(zip(keys.tolist(), tokens))
+            progress.latest[int(role)] = {"meta": snapshot_meta, "order": order}
+            progress.pieces[int(role)] = pieces
         return progress

@@ -74,7 +74,7 @@ def pack_best_fit(dataset: datasets.Dataset, max_seq_len: int,
     """All documents of `dataset["input_ids"]`, in order, packed by `BestFitPacker`: a dataset with column
     `input_ids` (rows of `max_seq_len` ids) and the `PackingReport` (the last, partial row counted as cropped)."""
     packer = BestFitPacker(max_seq_len, buffer_size)
-    documents = (np.asarray(ids, dtype=np.int64) for ids in dataset["input_ids"])
+    documents = ((key, np.asarray(ids, dtype=np.int64)) for key, ids in enumerate(dataset["input_ids"]))
     rows = []
     while (row := packer.next_row(lambda: next(documents, None))) is not None:
         rows.append(row)
