@@ -2,7 +2,7 @@
 `encode_batch` rate in the same run, and the recipe's peak memory with a 2 GB corpus against a 50 MB one.
 
     python benchmarks/data_loader.py --json benchmarks/results/data_loader_cpu.json
-    python benchmarks/data_loader.py --skip_memory          # throughput only (~2 minutes)
+    python benchmarks/data_loader.py --skip_memory          # throughput only (~4 minutes)
 
 Corpora (built once under `--work_dir`, default build/data_loader, and reused): the nine Gutenberg novels of
 ../shared/assets/text, each cut at blank lines into paragraphs and the paragraphs grouped into documents of at least
@@ -15,8 +15,10 @@ Tokenizer: a 32768-token byte-level BPE (`hfl3.tokenization.train_tokenizer`) tr
 
 Throughput, on documents of `corpus_50mb/` (`max_seq_len` 2048, documents whole, as recipes/configs/fineweb_d12.yaml;
 `TOKENIZERS_PARALLELISM=false`, so every tokenizer call uses one thread):
-- `encode_batch`: the same documents, 64 per call, through the tokenizer's `encode_batch_fast` (what the loader calls);
-  tokens produced per second.
+- `encode_batch`: the loader's documents in its reading order, 64 per call, through the tokenizer's
+  `encode_batch_fast` (what the loader calls); tokens produced per second, not counting the documents the loader
+  reads before its first row (its buffers). Alternates with the loader (`--rounds`, medians), each with a fresh copy
+  of the tokenizer (an empty BPE cache).
 - `loader, main process`: `PackedStream` stream 0 of 1 (reading, hash split, tokenization, shuffle buffer, best-fit
   packing, a state update per batch of 16 rows); input tokens per second (tokens of the documents taken into rows,
   packed + cropped: the work done) and packed tokens per second (in rows). Their ratio to `encode_batch` is the
@@ -25,10 +27,10 @@ Throughput, on documents of `corpus_50mb/` (`max_seq_len` 2048, documents whole,
   across N worker processes. The d12 step consumes 450k tokens/s on one H100 (DESIGN.md); the table says whether this
   machine's loader reaches it.
 
-Memory: `python recipes/pretrain.py` on each corpus with the same flags (`--max_steps 20`, a tiny dense model, rows of
-256 tokens, the 32k tokenizer, 2 DataLoader workers, 1% hash split, 16 validation rows): peak RSS of the process tree (the recipe and
-its workers, sampled every 0.1 s with psutil; forked workers share pages, counted in each) and the recipe process's
-own peak (Linux `VmHWM`). Goal: 2 GB / 50 MB <= 1.15.
+Memory: `python recipes/pretrain.py` on each corpus with the same flags (`--max_steps 20`, a tiny dense model, rows
+of 256 tokens, the 32k tokenizer, 2 DataLoader workers, 1% hash split, 16 validation rows): peak RSS of the process
+tree (the recipe and its workers, sampled every 0.1 s with psutil; forked workers share pages, counted in each) and
+the recipe process's own peak (Linux `VmHWM`). Goal: 2 GB / 50 MB <= 1.15.
 
 The box is shared: the table prints `uptime`'s load next to the numbers; re-run on a quiet machine for the record.
 """
@@ -130,8 +132,8 @@ def encode_rate(packed: PackedStream, warmup_documents: int, max_tokens: int) ->
 
 
 def loader_rate(packed: PackedStream, max_tokens: int, batch_size: int = 16) -> dict:
-    """Batches of rows with a state update each (what a batch carries to the trainer), timed after the first batch, which
-    fills the shuffle and packing buffers; also how many documents that first batch read."""
+    """Batches of rows with a state update each (what a batch carries to the trainer), timed after the first batch,
+    which fills the shuffle and packing buffers; also how many documents that first batch read."""
     reader = packed.reader()
     for _ in range(batch_size):
         reader.next_row()

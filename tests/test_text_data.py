@@ -289,6 +289,9 @@ def test_updates_carry_about_a_batch_of_tokens(packed):
         reader.next_row()
     new = sum(len(tokens) for tokens in reader.update()["new"].values())
     assert 0 < new < buffered / 4  # 8 rows of 64 tokens and what a read batch of 16 documents adds
+    for _ in range(3000):  # without update() calls the reader remembers no more than its buffers
+        reader.next_row()
+    assert len(reader._arrived) <= 2 * (500 + 500) + 16 * 10
 
 
 def test_samples_for_tokenizer_and_allocation_are_bounded(packed):

@@ -91,8 +91,10 @@ class DocumentSource:
             ValueError: a whole pass over the owned shards yields no document of this side.
         """
         shards = self.corpus.shards
-        owned = list(range(stream, len(shards), num_streams)) if len(shards) >= num_streams else list(range(len(shards)))
-        stride = (1, 0) if len(shards) >= num_streams else (num_streams, stream)
+        if len(shards) >= num_streams:
+            owned, stride = list(range(stream, len(shards), num_streams)), (1, 0)
+        else:  # every stream reads every shard and keeps every num_streams-th document
+            owned, stride = list(range(len(shards))), (num_streams, stream)
         position = position or {"epoch": 0, "shard": 0, "read": None}
         epoch = position["epoch"]
         while self.passes is None or epoch < self.passes:
@@ -109,7 +111,8 @@ class DocumentSource:
             if start == 0 and not kept_in_pass:
                 side = "validation" if self.validation else "training"
                 raise ValueError(f"stream {stream} of {num_streams} found no {side} document in {len(owned)} shard(s) "
-                                 f"of {self.corpus.spec!r}; use fewer processes/DataLoader workers or more data")
+                                 f"of {self.corpus.spec!r}; add data, use fewer processes/DataLoader workers, or "
+                                 "change --val_fraction / --eval_dataset")
             epoch += 1
             position = {"epoch": epoch, "shard": 0, "read": None}
 
@@ -195,7 +198,9 @@ class PackedStream(torch.utils.data.IterableDataset):
         """What decides the rows: resuming refuses a checkpoint whose stream had another fingerprint."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         vocabulary = backend.to_str() if backend is not None else json.dumps(self.tokenizer.get_vocab(), sort_keys=True)
-        return {"corpus": self.source.corpus.spec, "shards": [shard.name for shard in self.source.corpus.shards],
+        corpus = self.source.corpus  # its shards, and the files' content (sha256) and the Hub revisions behind them
+        data = json.dumps([[shard.name for shard in corpus.shards], [f.sha256 for f in corpus.files], corpus.datasets])
+        return {"corpus": corpus.spec, "data_sha256": hashlib.sha256(data.encode()).hexdigest(),
                 "split": self.source.split.describe() if self.source.split else None,
                 "tokenizer_sha256": hashlib.sha256(vocabulary.encode()).hexdigest(),
                 "max_seq_len": self.max_seq_len, "document_max_chars": self.document_max_chars,
@@ -234,6 +239,8 @@ class StreamReader:
             pieces = list(enumerate(self.packed.tokenize(texts), start=self.keys))
             self.keys += len(pieces)
             self._arrived.update(pieces)
+            if len(self._arrived) > 2 * (self.packed.shuffle_buffer + self.packed.packing_buffer) + len(pieces):
+                self._arrived = self._buffered(self._arrived)  # no update() for a while: forget what left
             if shuffle:
                 self.documents += pieces
             else:  # in order: the next piece is the last one of the list
@@ -257,6 +264,10 @@ class StreamReader:
         """The exact state after the last row returned: `{"meta": JSON-safe dict, "buffers": {"documents": [(key,
         tokens), ...], "packer": [...]}}` (the arrays are shared with the reader, which never changes them)."""
         return {"meta": self._meta(), "buffers": {"documents": list(self.documents), "packer": self.packer.state()}}
+
+    def _buffered(self, pieces: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        live = {key for key, _ in self.documents} | {key for key, _ in self.packer.state()}
+        return {key: tokens for key, tokens in pieces.items() if key in live}
 
     def update(self) -> dict:
         """What changed since the previous `update()` (or the start): `{"meta": ..., "order": {buffer: keys},
