@@ -1,6 +1,6 @@
 """Pretrain an L3GPT on text with the HF Trainer: tokenizer, LZW allocation, streamed BOS-aligned packing, bpb eval.
 
-    # the demo (Python stdlib sources, L3 on, ~5 minutes on 2 CPU cores)
+    # the demo (Python stdlib sources, L3 on, ~8 minutes on 2 CPU cores)
     accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain.py --config recipes/configs/demo.yaml
     # the Gutenberg novels in ../shared/assets/text, Muon
     accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain.py \
