@@ -1,4 +1,4 @@
-"""Pretrain an L3GPT on text with the HF Trainer: tokenizer, LZW allocation, BOS-aligned packing, bpb eval.
+"""Pretrain an L3GPT on text with the HF Trainer: tokenizer, LZW allocation, streamed BOS-aligned packing, bpb eval.
 
     # the demo (Python stdlib sources, L3 on, ~8 minutes on 2 CPU cores)
     accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain.py --config recipes/configs/demo.yaml
@@ -8,9 +8,15 @@
     # one GPU
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/pretrain.py \
         --config recipes/configs/gutenberg.yaml --depth 12 --bf16
+    # nanochat's d12 on FineWeb-Edu, streamed from the Hub, 8 GPUs
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/pretrain.py \
+        --config recipes/configs/fineweb_d12.yaml
 
-Outputs in `--output_dir`: model.safetensors + config.json + remote code, tokenizer, metadata.json, README.md
-(model card), all_results.json (eval_bpb), loss.png.
+The training data is a stream (`hfl3.data.streaming`): documents are read, tokenized and packed on the fly in each
+process's DataLoader workers (`--dataloader_num_workers`), memory flat in corpus size, and a checkpoint resumes it
+exactly. Outputs in `--output_dir`: model.safetensors + config.json + remote code, tokenizer, metadata.json (source
+files with sha256, split, the sha256 of the consumed token rows), README.md (model card), all_results.json
+(eval_bpb), loss.png.
 """
 
 import logging
@@ -19,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import hfl3  # before transformers: keeps torchao's import-time warnings out of the launch (hfl3/fp8/ao.py)
+import datasets
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, set_seed
 from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
@@ -26,7 +34,9 @@ from trl import TrlParser
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM, fp8, provenance
 from hfl3.callbacks import LossPlotCallback, SampleCallback, ThroughputCallback, flops_per_token
-from hfl3.data import text
+from hfl3.data import sources
+from hfl3.data.packing import PackingReport
+from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
 from hfl3.trainers.launch import check_world_size, parse_recipe_args
@@ -37,20 +47,31 @@ logger = logging.getLogger("hfl3.pretrain")
 
 @dataclass
 class ScriptArguments:
-    dataset: str = field(default="stdlib", metadata={"help": "stdlib, files/folders/globs (comma-separated), or a "
-                                                     "datasets name/path"})
-    text_column: str = field(default="text", metadata={"help": "text column of a datasets source"})
+    dataset: str = field(default="stdlib", metadata={"help": "comma-separated: stdlib, .txt/.jsonl/.json/.parquet "
+                                                     "files, folders and globs, or datasets names (Hub or disk)"})
+    dataset_config: str | None = field(default=None, metadata={"help": "configuration of a datasets source"})
     dataset_split: str = field(default="train", metadata={"help": "split of a datasets source"})
-    max_documents: int | None = field(default=None, metadata={"help": "use only the first N documents (seeded)"})
+    text_column: str = field(default="text", metadata={"help": "text field of .jsonl/.json/.parquet and datasets"})
+    document_separator: str | None = field(default=None, metadata={"help": "split .txt files at this string ('': "
+                                                                   "whole files); default: a single .txt file is "
+                                                                   "split at blank lines, others are whole"})
     skip_invalid_files: bool = field(default=False, metadata={"help": "skip non-UTF-8/empty files (counted)"})
-    val_fraction: float = field(default=0.05, metadata={"help": "share of documents held out for validation"})
-    max_eval_rows: int | None = field(default=None, metadata={"help": "cap on packed validation rows"})
+    eval_dataset: str | None = field(default=None, metadata={"help": "held-out validation source (as --dataset; "
+                                                             "its files leave the training data); default: a "
+                                                             "seeded hash split of the documents"})
+    val_fraction: float = field(default=0.05, metadata={"help": "share of documents held out (hash split)"})
+    max_eval_rows: int = field(default=256, metadata={"help": "packed validation rows, built once"})
     document_max_chars: int | None = field(default=None, metadata={"help": "cut documents into pieces of at most "
-                                                                "this many characters (default: max_seq_len)"})
+                                                                   "this many characters (default: max_seq_len; 0: "
+                                                                   "whole)"})
+    shuffle_buffer: int = field(default=1000, metadata={"help": "pieces in the seeded shuffle buffer (0: in order)"})
+    packing_buffer: int = field(default=1000, metadata={"help": "pieces the best-fit packing chooses from"})
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "existing tokenizer; else train one"})
     vocab_size: int = field(default=32768, metadata={"help": "vocabulary of the trained BPE"})
-    tokenizer_train_chars: int = field(default=20_000_000, metadata={"help": "characters to train the BPE on"})
-    l3_sample_tokens: int = field(default=2_000_000, metadata={"help": "training tokens LZW-scanned for L3"})
+    tokenizer_train_chars: int = field(default=20_000_000, metadata={"help": "characters to train the BPE on (from "
+                                                                     "the start of the stream)"})
+    l3_sample_tokens: int = field(default=2_000_000, metadata={"help": "training tokens LZW-scanned for L3 (from "
+                                                               "the start of the stream)"})
     # No trailing space: BPE words carry their leading space (" foo"), so "def " would end on a lone-space token
     sample_prompts: list[str] = field(default_factory=lambda: ["def", "import", "class"],
                                       metadata={"help": "prompts for greedy samples at eval time"})
@@ -77,32 +98,84 @@ def make_parser() -> TrlParser:
     return TrlParser((ScriptArguments, PretrainConfig, ModelArguments))
 
 
-def prepare_tokenizer(script_args: ScriptArguments, training_args: PretrainConfig, train_docs):
-    """Load the given tokenizer, or train a BPE on the training documents (main process first, then shared)."""
+def open_data(script_args: ScriptArguments, seed: int) -> tuple[DocumentSource, DocumentSource]:
+    """The training documents and the validation documents: a held-out `--eval_dataset`, else a hash split."""
+    options = dict(text_column=script_args.text_column, split=script_args.dataset_split,
+                   dataset_config=script_args.dataset_config, document_separator=script_args.document_separator,
+                   skip_invalid=script_args.skip_invalid_files)
+    held_out = sources.open_corpus(script_args.eval_dataset, **options) if script_args.eval_dataset else None
+    corpus = sources.open_corpus(script_args.dataset, **options, exclude=held_out)
+    split = None if held_out else DocumentSplit(script_args.val_fraction, seed)
+    return (DocumentSource(corpus, split, seed=seed),
+            DocumentSource(held_out or corpus, split, validation=split is not None, seed=seed, shuffle_shards=False,
+                           passes=1))
+
+
+def prepare_tokenizer(script_args: ScriptArguments, training_args: PretrainConfig, documents: DocumentSource):
+    """Load the given tokenizer, or train a BPE on the first `tokenizer_train_chars` characters of the training
+    documents (main process first, then shared through `output_dir`)."""
     if script_args.tokenizer_name_or_path:
         return load_tokenizer(script_args.tokenizer_name_or_path)
     saved = Path(training_args.output_dir)
     with training_args.main_process_first(desc="train tokenizer"):
         if training_args.process_index == 0:
-            budget, texts = script_args.tokenizer_train_chars, []
-            for document in train_docs["text"]:
-                texts.append(document[:budget])
-                budget -= len(texts[-1])
-                if budget <= 0:
-                    break
-            train_tokenizer(texts, script_args.vocab_size).save_pretrained(saved)
+            train_tokenizer(documents.sample_texts(script_args.tokenizer_train_chars),
+                            script_args.vocab_size).save_pretrained(saved)
         return load_tokenizer(str(saved))
 
 
-def first_tokens(tokens, budget: int) -> list[list[int]]:
-    """The first tokenized documents holding `budget` tokens: the LZW allocation sample."""
-    sample = []
-    for ids in tokens["input_ids"]:
-        sample.append(ids)
-        budget -= len(ids)
-        if budget <= 0:
-            break
-    return sample
+@dataclass
+class PretrainData:
+    """The training stream and the validation rows (`(rows, max_seq_len)`, built once from the `validation`
+    documents), with their packing report and document counts."""
+
+    train: PackedStream
+    validation: DocumentSource
+    eval_rows: np.ndarray
+    eval_report: PackingReport
+    eval_counts: dict
+
+
+def prepare_data(script_args: ScriptArguments, training_args: PretrainConfig, max_seq_len: int) -> PretrainData:
+    """The training stream (with its tokenizer) and the validation rows."""
+    train_documents, eval_documents = open_data(script_args, training_args.seed)
+    logger.info("corpus: %d shard(s), validation: %s", len(train_documents.corpus.shards),
+                script_args.eval_dataset or f"hash split, {script_args.val_fraction:.0%} of the documents")
+    tokenizer = prepare_tokenizer(script_args, training_args, train_documents)
+    max_chars = max_seq_len if script_args.document_max_chars is None else script_args.document_max_chars
+    stream = PackedStream(train_documents, tokenizer, max_seq_len, max_chars, script_args.packing_buffer,
+                          script_args.shuffle_buffer)
+    eval_rows, eval_report, eval_counts = PackedStream(
+        eval_documents, tokenizer, max_seq_len, max_chars, script_args.packing_buffer, shuffle_buffer=0
+    ).materialize(script_args.max_eval_rows)
+    logger.info("validation: %d rows from %d documents (cropped %.2f%%)", len(eval_rows), eval_counts["documents"],
+                100 * eval_report.cropped_share)
+    if not len(eval_rows):
+        raise ValueError(f"no full validation row of {max_seq_len} tokens ({eval_counts['documents']} documents); "
+                         "raise --val_fraction, pass --eval_dataset or lower --max_seq_len")
+    return PretrainData(stream, eval_documents, eval_rows, eval_report, eval_counts)
+
+
+def data_metadata(script_args: ScriptArguments, data: PretrainData, consumed: dict) -> dict:
+    """The `data` section of metadata.json: sources (files with sizes and sha256), the split, what was trained on
+    (`L3GPTTrainer.stream_summary`)."""
+    train = data.train.source
+    split = train.split.describe() if train.split else {"method": "held-out source",
+                                                        "eval_dataset": script_args.eval_dataset}
+    return {
+        "source": script_args.dataset, "corpus": train.corpus.report(),
+        "eval_corpus": None if train.split else data.validation.corpus.report(),
+        "train_tokens_sha256": consumed["sha256"],
+        "train_tokens_sha256_scheme": "sha256 over the ranks' chained digests (32 bytes each, rank order); a "
+                                      "rank's chain: c0 = sha256(b''), c_b = sha256(c_(b-1) + batch b's input_ids as "
+                                      "int64 little-endian) over its consumed batches, across resumes",
+        "split": {**split, "validation_documents": data.eval_counts["documents"],
+                  "validation_rows": len(data.eval_rows), "training_documents_read": consumed["documents"],
+                  "held_out_documents_skipped": consumed["held_out_documents"]},
+        "packing": {"train": consumed["packing"], "validation": data.eval_report.as_dict()},
+        "stream": {"shuffle_buffer": script_args.shuffle_buffer, "packing_buffer": script_args.packing_buffer,
+                   "ranks": consumed["ranks"]},
+    }
 
 
 def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args: ModelArguments) -> dict:
@@ -112,28 +185,8 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
     # re-save the weights without our metadata and replace the model card).
     push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
     check_world_size(training_args)
-    corpus, corpus_report = text.load_corpus(
-        script_args.dataset, script_args.text_column, script_args.dataset_split, script_args.skip_invalid_files
-    )
-    if script_args.max_documents and len(corpus) > script_args.max_documents:
-        corpus = corpus.shuffle(seed=training_args.seed).select(range(script_args.max_documents))
-    train_docs, val_docs = text.split_documents(corpus, script_args.val_fraction, training_args.seed)
-    logger.info("documents: %d train, %d validation (seed %d)", len(train_docs), len(val_docs), training_args.seed)
-    tokenizer = prepare_tokenizer(script_args, training_args, train_docs)
-    max_chars = script_args.document_max_chars or model_args.max_seq_len
-    packed, reports = {}, {}
-    for name, docs in (("train", train_docs), ("validation", val_docs)):
-        tokens = text.tokenize_documents(text.chunk_documents(docs, max_chars), tokenizer)
-        if name == "train":
-            allocation_sample = first_tokens(tokens, script_args.l3_sample_tokens)
-        packed[name], reports[name] = text.pack_best_fit(tokens, model_args.max_seq_len)
-        logger.info("%s packing: %s (cropped %.2f%%)", name, reports[name], 100 * reports[name].cropped_share)
-    if script_args.max_eval_rows:
-        packed["validation"] = packed["validation"].select(range(min(len(packed["validation"]),
-                                                                      script_args.max_eval_rows)))
-    if not len(packed["train"]) or not len(packed["validation"]):
-        raise ValueError(f"no full row of {model_args.max_seq_len} tokens: train {reports['train']}, "
-                         f"validation {reports['validation']}; add data or lower --max_seq_len")
+    data = prepare_data(script_args, training_args, model_args.max_seq_len)
+    tokenizer = data.train.tokenizer
 
     config = L3GPTConfig.from_depth(
         model_args.depth, vocab_size=len(tokenizer), aspect_ratio=model_args.aspect_ratio,
@@ -146,7 +199,8 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
     )
     model = L3GPTForCausalLM(config)
     if config.l3_after_layers:
-        model.set_l3_allocation(lzw_allocation(allocation_sample, config.vocab_size, config.l3_n_emb, config.l3_k_max))
+        sample = data.train.sample_documents(script_args.l3_sample_tokens)
+        model.set_l3_allocation(lzw_allocation(sample, config.vocab_size, config.l3_n_emb, config.l3_k_max))
         counts = model.model.l3_counts().float()
         logger.info("L3 allocation: mean %.1f, max %d, tokens at k_max %d", counts.mean(), counts.max(),
                     int((counts == config.l3_k_max).sum()))
@@ -160,7 +214,8 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
 
     bpb = BitsPerByte(token_bytes(tokenizer))
     trainer = L3GPTTrainer(
-        model=model, args=training_args, train_dataset=packed["train"], eval_dataset=packed["validation"],
+        model=model, args=training_args, train_dataset=data.train,
+        eval_dataset=datasets.Dataset.from_dict({"input_ids": data.eval_rows}),
         data_collator=PackedCollator(tokenizer.bos_token_id, training_args.attend_across_documents),
         processing_class=tokenizer, compute_metrics=bpb,
         preprocess_logits_for_metrics=BitsPerByte.preprocess_logits_for_metrics,
@@ -182,15 +237,12 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
                                   if "train_loss" in e), None)
     trainer.save_metrics("all", metrics)
     trainer.save_model(training_args.output_dir)  # every rank: under ZeRO-3 the weights are gathered collectively
+    consumed = trainer.stream_summary()  # every rank: gathers what each one trained on
     if is_deepspeed_zero3_enabled():  # training is over: finish_folder's reload on the main process alone must not
         unset_hf_deepspeed_config()  # partition the model with zero.Init (a collective: it would hang or crash)
     if trainer.is_world_process_zero():
         metadata = provenance.build_metadata(
-            data={"source": script_args.dataset, "corpus": asdict(corpus_report),
-                  "train_tokens_sha256": text.sha256_of_token_rows(packed["train"]),
-                  "split": {"seed": training_args.seed, "val_fraction": script_args.val_fraction,
-                            "train_documents": len(train_docs), "validation_documents": len(val_docs)},
-                  "packing": {name: asdict(r) | {"cropped_share": r.cropped_share} for name, r in reports.items()}},
+            data=data_metadata(script_args, data, consumed),
             model=config.to_dict(), script_args=asdict(script_args), model_args=asdict(model_args),
             training_args=training_args.to_dict(), results=metrics,
         )

@@ -23,8 +23,7 @@ def bench(repo_root):
     sys.path.remove(str(repo_root / "benchmarks"))
 
 
-def test_l3_lookup_flops_count_scores_and_weighted_sum(bench):
-    l3_vs_dense = bench[0]
+def test_l3_lookup_flops_count_scores_and_weighted_sum():
     config = L3GPTConfig(vocab_size=512, hidden_size=64, num_attention_heads=1, num_hidden_layers=2,
                          l3_after_layers=[0, 1])
     # per layer: (2·d·C scores + 2·d·C weighted sum) forward, ×3 with backward; two L3 layers

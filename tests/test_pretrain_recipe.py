@@ -1,11 +1,11 @@
 """recipes/pretrain.py end to end (accelerate launch in a subprocess) and exact resume through the Trainer."""
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 
-import datasets
 import pytest
 import torch
 from safetensors import safe_open
@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 import hfl3
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.data import text
+from hfl3.data.sources import open_corpus
+from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
 
@@ -85,17 +86,29 @@ def test_upload_folder_generates_the_same_without_hfl3(recipe_run, run_without_h
 
 
 @pytest.fixture(scope="module")
-def packed_rows(assets):
-    shakespeare = (assets / "text" / "tinyshakespeare.txt").read_text()[:80_000]
-    tokenizer = train_tokenizer([shakespeare], vocab_size=512)
-    corpus = datasets.Dataset.from_dict({"text": [shakespeare], "source": ["shakespeare"]})
-    tokens = text.tokenize_documents(text.chunk_documents(corpus, 128), tokenizer)
-    packed, _ = text.pack_best_fit(tokens, max_seq_len=64)
-    return tokenizer, packed.select(range(64))
+def stream(assets):
+    """Tiny Shakespeare split at blank lines, 5% held out, pieces of <= 128 characters, rows of 64 tokens."""
+    shakespeare = assets / "text" / "tinyshakespeare.txt"
+    tokenizer = train_tokenizer([shakespeare.read_text()[:80_000]], vocab_size=512)
+    source = DocumentSource(open_corpus(str(shakespeare)), DocumentSplit(0.05, seed=0), seed=0, read_batch=32)
+    return PackedStream(source, tokenizer, max_seq_len=64, document_max_chars=128, packing_buffer=64,
+                        shuffle_buffer=64)
 
 
-def train_tiny(output_dir, packed_rows, max_steps, resume_from=None, save_steps=None, optimizer="adamw"):
-    tokenizer, rows = packed_rows
+class RowRecorder(L3GPTTrainer):
+    """Keeps a short hash of every training row, in the order the optimizer steps consume them."""
+
+    rows: list[str]
+
+    def get_batch_samples(self, *args):
+        batches, num_items_in_batch = super().get_batch_samples(*args)
+        self.rows = getattr(self, "rows", []) + [hashlib.sha256(row.numpy().tobytes()).hexdigest()[:16]
+                                                 for batch in batches for row in batch["input_ids"]]
+        return batches, num_items_in_batch
+
+
+def train_tiny(output_dir, stream, max_steps, resume_from=None, save_steps=None, optimizer="adamw", workers=0):
+    tokenizer = stream.tokenizer
     torch.manual_seed(0)
     config = L3GPTConfig.from_depth(2, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
                                     max_position_embeddings=64, window_pattern="SL", l3_after_layers=[0],
@@ -103,27 +116,38 @@ def train_tiny(output_dir, packed_rows, max_steps, resume_from=None, save_steps=
     args = PretrainConfig(
         output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=5e-3,
         warmup_steps=2, logging_steps=1, eval_strategy="no", seed=0, optimizer=optimizer, disable_tqdm=True,
-        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, dataloader_num_workers=0,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, dataloader_num_workers=workers,
+        report_to="none",
     )
-    trainer = L3GPTTrainer(model=L3GPTForCausalLM(config), args=args, train_dataset=rows,
-                           data_collator=PackedCollator(tokenizer.bos_token_id))
+    trainer = RowRecorder(model=L3GPTForCausalLM(config), args=args, train_dataset=stream,
+                          data_collator=PackedCollator(tokenizer.bos_token_id))
     trainer.train(resume_from_checkpoint=resume_from)
     return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}, trainer
 
 
-def test_resume_from_checkpoint_continues_identically(tmp_path, packed_rows):
-    full, _ = train_tiny(tmp_path / "full", packed_rows, max_steps=8)
-    _, _ = train_tiny(tmp_path / "interrupted", packed_rows, max_steps=8, save_steps=4)
-    resumed, trainer = train_tiny(tmp_path / "interrupted", packed_rows, max_steps=8,
-                                  resume_from=str(tmp_path / "interrupted" / "checkpoint-4"))
-    assert sorted(resumed) == list(range(1, 9)) and trainer.state.global_step == 8
-    fresh_steps = [5, 6, 7, 8]  # computed after the restart (1-4 come back from the checkpoint's history)
-    assert [resumed[s] for s in fresh_steps] == pytest.approx([full[s] for s in fresh_steps], abs=1e-6)
-    assert full[8] < full[1]
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_consumes_exactly_the_rows_of_an_uninterrupted_run(tmp_path, stream, workers):
+    """Killed after step 3 and resumed from checkpoint-3, the run consumes the rows the uninterrupted run consumed
+    after step 3 (with 2 DataLoader workers: 3 batches consumed, so worker 1's stream is due first) and continues
+    the chained digest of the consumed rows."""
+    full, uninterrupted = train_tiny(tmp_path / "full", stream, max_steps=7, save_steps=3, workers=workers)
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    assert (checkpoint / "data_state_rank0.safetensors").is_file()
+    resumed, trainer = train_tiny(tmp_path / "resumed", stream, max_steps=7, resume_from=str(checkpoint),
+                                  workers=workers)
+    assert len(uninterrupted.rows) == 7 * 4 and uninterrupted.rows[:12] != uninterrupted.rows[12:24]
+    assert trainer.rows == uninterrupted.rows[12:]
+    assert trainer.data_progress.sha256 == uninterrupted.data_progress.sha256
+    assert trainer.data_progress.batches == uninterrupted.data_progress.batches == 7
+    assert [resumed[s] for s in range(4, 8)] == pytest.approx([full[s] for s in range(4, 8)], abs=1e-6)
+    assert full[7] < full[1]
+    if workers:
+        with pytest.raises(ValueError, match="resume with the same numbers"):
+            train_tiny(tmp_path / "other", stream, max_steps=7, resume_from=str(checkpoint), workers=1)
 
 
-def test_adamw_decays_only_matrices(tmp_path, packed_rows):
-    _, trainer = train_tiny(tmp_path / "decay", packed_rows, max_steps=1)
+def test_adamw_decays_only_matrices(tmp_path, stream):
+    _, trainer = train_tiny(tmp_path / "decay", stream, max_steps=1)
     groups = trainer.optimizer.param_groups
     assert all(p.ndim >= 2 for p in groups[0]["params"]) and all(p.ndim < 2 for p in groups[1]["params"])
     assert groups[1]["weight_decay"] == 0.0

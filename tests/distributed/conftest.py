@@ -2,8 +2,11 @@
 (`recipe_runner.py`) once per session, and the tests read what every rank recorded.
 
 The global batch is the same everywhere: 8 packed rows (pretrain) and 4 chats (SFT) per optimizer step, as
-2 processes x 4 (x 2) or 1 process x 8 (x 4). With the same seed the Trainer's sampler draws the same permutation and
-accelerate deals its per-process batches out in turn, so a 2-process run sees the rows of the single-process run.
+2 processes x 4 (x 2) or 1 process x 4 x 2 accumulation steps (x 4 chats). Pretraining streams its data: DataLoader
+worker w of process r reads stream r * W + w of world_size * W (W = max(1, workers)), so 2 processes with 0 or 1
+worker each and 1 process with 2 workers read the same 2 streams, and the 1-process run's 2 accumulated batches (one
+per worker, in turn) are the 2 processes' batches of the same step. For SFT, the Trainer's sampler draws the same
+permutation with the same seed and accelerate deals its per-process batches out in turn.
 
 DeepSpeed compiles its shm_comm op on the first start (30-80 s on an idle CPU); `TORCH_EXTENSIONS_DIR` defaults to
 build/torch_extensions so that later sessions and CI runs reuse it.
@@ -39,6 +42,7 @@ class Launch:
     records: dict[str, list[dict]]
     log: str
     seconds: float
+    workdir: Path
 
     def run(self, name: str) -> list[dict]:
         """The records of run `name` in rank order; fails with the log tail when no rank recorded it."""
@@ -46,6 +50,11 @@ class Launch:
         if not records:
             pytest.fail(f"{self.config}: run {name!r} left no record; log tail:\n{self.log[-4000:]}")
         return records
+
+    def rows(self, name: str) -> list[list[list[str]]]:
+        """Per rank, per optimizer step: the hashes of the rows run `name` trained on (`record_rows`)."""
+        return [[json.loads(line) for line in (self.workdir / f"{name}.rank{record['rank']}.rows.jsonl").open()]
+                for record in self.run(name)]
 
     def metrics(self, name: str) -> dict:
         """Rank 0's metrics of run `name`, after checking that no rank failed."""
@@ -82,16 +91,19 @@ def launch(config: str | None, runs: list[dict], workdir: Path, env: dict | None
         pytest.fail(f"{name}: launch failed (exit {completed.returncode}, {seconds:.0f} s); errors per run and rank: "
                     f"{errors}\nlog tail:\n{log[-6000:]}")
     print(f"\n[distributed] {name}: {len(runs)} runs in {seconds:.0f} s")
-    return Launch(name, records, log, seconds)
+    return Launch(name, records, log, seconds, workdir)
 
 
-def pretrain_run(name: str, output_dir: Path, per_device_batch: int, *extra: str, continue_on_error=False) -> dict:
-    """recipes/pretrain.py on recipes/configs/pretrain_tiny.yaml: 20 steps, evaluation at steps 0, 10 and 20."""
+def pretrain_run(name: str, output_dir: Path, per_device_batch: int, *extra: str, continue_on_error=False,
+                 record_rows=False) -> dict:
+    """recipes/pretrain.py on recipes/configs/pretrain_tiny.yaml: 20 steps, evaluation at steps 0, 10 and 20;
+    `record_rows`: every rank writes the hashes of the rows it trains on (recipe_runner.py)."""
     args = ["--config", "recipes/configs/pretrain_tiny.yaml", "--output_dir", str(output_dir),
             "--per_device_train_batch_size", str(per_device_batch), "--max_steps", str(PRETRAIN_STEPS),
-            "--eval_steps", "10", "--max_documents", "20", "--report_to", "none", "--disable_tqdm", "true",
+            "--eval_steps", "10", "--report_to", "none", "--disable_tqdm", "true",
             "--ddp_timeout", str(COLLECTIVE_TIMEOUT_S), *extra]
-    return {"name": name, "recipe": "pretrain", "args": args, "continue_on_error": continue_on_error}
+    return {"name": name, "recipe": "pretrain", "args": args, "continue_on_error": continue_on_error,
+            "record_rows": record_rows}
 
 
 def sft_run(name: str, base_model: Path, chats: Path, output_dir: Path, per_device_batch: int, *extra: str,
@@ -109,6 +121,7 @@ def sft_run(name: str, base_model: Path, chats: Path, output_dir: Path, per_devi
 
 
 CHECKPOINTED = ("--save_strategy", "steps", "--save_steps", str(CHECKPOINT_STEP))
+TWO_STREAMS_ONE_PROCESS = ("--dataloader_num_workers", "2", "--gradient_accumulation_steps", "2")
 
 
 def resumed_from(uninterrupted_dir: Path) -> tuple[str, ...]:
@@ -132,12 +145,13 @@ def sft_chats(distributed_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def reference(distributed_dir, sft_chats) -> Launch:
-    """One process: pretrain with AdamW and with Muon on the global batch, Muon on half of it (what a rank would do
-    without the gradient all-reduce), and SFT LoRA on the AdamW model, which is the base of every SFT run."""
+    """One process: pretrain with AdamW and with Muon on the global batch (2 workers x 4 rows, accumulated), Muon on
+    half of it (what a rank would do without the gradient all-reduce), and SFT LoRA on the AdamW model, which is the
+    base of every SFT run."""
     out = distributed_dir / "single"
     return launch(None, [
-        pretrain_run("pretrain_adamw", out / "pretrain_adamw", 8),
-        pretrain_run("pretrain_muon", out / "pretrain_muon", 8, "--optimizer", "muon"),
+        pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, *TWO_STREAMS_ONE_PROCESS),
+        pretrain_run("pretrain_muon", out / "pretrain_muon", 4, *TWO_STREAMS_ONE_PROCESS, "--optimizer", "muon"),
         pretrain_run("pretrain_muon_half_batch", out / "pretrain_muon_half_batch", 4, "--optimizer", "muon"),
         sft_run("sft_lora", out / "pretrain_adamw", sft_chats, out / "sft_lora", 4),
     ], out, env={"OMP_NUM_THREADS": "1"})  # as torchrun sets for each rank; 2 threads on a busy 2-core box crawl
@@ -151,13 +165,15 @@ def sft_base(reference, distributed_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def ddp(distributed_dir, sft_base, sft_chats) -> Launch:
-    """accelerate_configs/multi_cpu_ddp.yaml (2 processes, gloo): pretrain AdamW (checkpoint at step 10), its
-    resumption from that checkpoint, pretrain Muon, SFT LoRA."""
+    """accelerate_configs/multi_cpu_ddp.yaml (2 processes, gloo): pretrain AdamW (checkpoint at step 10; the stream
+    read in 1 DataLoader worker per process), its resumption from that checkpoint, pretrain Muon, SFT LoRA."""
     out = distributed_dir / "ddp"
+    worker = ("--dataloader_num_workers", "1")
     return launch("multi_cpu_ddp.yaml", [
-        pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, "--use_cpu", *CHECKPOINTED),
-        pretrain_run("pretrain_adamw_resumed", out / "pretrain_adamw_resumed", 4, "--use_cpu",
-                     *resumed_from(out / "pretrain_adamw")),
+        pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, "--use_cpu", *worker, *CHECKPOINTED,
+                     record_rows=True),
+        pretrain_run("pretrain_adamw_resumed", out / "pretrain_adamw_resumed", 4, "--use_cpu", *worker,
+                     *resumed_from(out / "pretrain_adamw"), record_rows=True),
         pretrain_run("pretrain_muon", out / "pretrain_muon", 4, "--use_cpu", "--optimizer", "muon"),
         sft_run("sft_lora", sft_base, sft_chats, out / "sft_lora", 2, "--use_cpu", continue_on_error=True),
     ], out)
@@ -181,9 +197,9 @@ def zero2(distributed_dir, sft_base, sft_chats) -> Launch:
     out = distributed_dir / "zero2"
     gloo = ("--ddp_backend", "gloo")
     return launch("zero2.yaml", [
-        pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, *gloo, *CHECKPOINTED),
+        pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, *gloo, *CHECKPOINTED, record_rows=True),
         pretrain_run("pretrain_adamw_resumed", out / "pretrain_adamw_resumed", 4, *gloo,
-                     *resumed_from(out / "pretrain_adamw")),
+                     *resumed_from(out / "pretrain_adamw"), record_rows=True),
         pretrain_run("pretrain_muon", out / "pretrain_muon", 4, *gloo, "--optimizer", "muon", continue_on_error=True),
         sft_run("sft_lora", sft_base, sft_chats, out / "sft_lora", 2, *gloo, continue_on_error=True),
     ], out)

@@ -7,12 +7,16 @@ than training the tiny models, so each launch runs a list of runs. A run is exac
 the recipe file's own `make_parser().parse_args_and_config(args)` and `main(...)`, with a fresh parser per run.
 
 PLAN.json: `{"results_dir": DIR, "runs": [{"name": ..., "recipe": "pretrain" | "sft_lora", "args": [...],
-"continue_on_error": false}, ...]}`. Every rank writes `DIR/<name>.rank<R>.json`: the world size that the
-recipe's `TrainingArguments` set up, the torch.distributed world size, the metrics `main` returned, and `error` (the
-exception as text, or null). A failing run stops the launch unless it has `continue_on_error` (for runs that fail
-the same way on every rank: a rank that failed alone would leave the others waiting in a collective).
+"continue_on_error": false, "record_rows": false}, ...]}`. Every rank writes `DIR/<name>.rank<R>.json`: the world size
+that the recipe's `TrainingArguments` set up, the torch.distributed world size, the metrics `main` returned, and
+`error` (the exception as text, or null); with `record_rows`, also `DIR/<name>.rank<R>.rows.jsonl`: per optimizer
+step, the sha256 (16 hex digits) of every training row the rank consumed. A failing run stops the launch unless it
+has `continue_on_error` (for runs that fail the same way on every rank: a rank that failed alone would leave the
+others waiting in a collective).
 """
 
+import contextlib
+import hashlib
 import importlib.util
 import json
 import os
@@ -32,6 +36,27 @@ def load_recipe(name: str):
     return module
 
 
+@contextlib.contextmanager
+def recording_rows(path: Path):
+    """While active, `L3GPTTrainer.get_batch_samples` appends the hashes of each step's rows to `path`."""
+    from hfl3.trainers.pretrain import L3GPTTrainer
+
+    original = L3GPTTrainer.get_batch_samples
+
+    def recording(self, *args):
+        batches, num_items_in_batch = original(self, *args)
+        rows = [hashlib.sha256(row.numpy().tobytes()).hexdigest()[:16] for b in batches for row in b["input_ids"]]
+        with path.open("a") as f:
+            f.write(json.dumps(rows) + "\n")
+        return batches, num_items_in_batch
+
+    L3GPTTrainer.get_batch_samples = recording
+    try:
+        yield
+    finally:
+        L3GPTTrainer.get_batch_samples = original
+
+
 def run(plan_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
     results_dir = Path(plan["results_dir"])
@@ -43,7 +68,9 @@ def run(plan_path: str) -> None:
             script_args, training_args, model_args = recipe.make_parser().parse_args_and_config(entry["args"])
             record["world_size"] = training_args.world_size
             record["torch_world_size"] = dist.get_world_size() if dist.is_initialized() else 1
-            record["metrics"] = recipe.main(script_args, training_args, model_args)
+            rows = results_dir / f"{entry['name']}.rank{rank}.rows.jsonl"
+            with recording_rows(rows) if entry.get("record_rows") else contextlib.nullcontext():
+                record["metrics"] = recipe.main(script_args, training_args, model_args)
         except Exception as error:  # recorded for the test, which asserts on the message
             record["error"] = f"{type(error).__name__}: {error}"
             traceback.print_exc()

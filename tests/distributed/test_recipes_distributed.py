@@ -4,18 +4,25 @@ DeepSpeed ZeRO-2 / ZeRO-3 (zero2.yaml, zero3.yaml), each launched with `accelera
 Every run is checked for the world size its `TrainingArguments` set up on each rank, a falling loss and a saved
 model or adapter that loads; 2-process runs must equal the single-process run on the same global batch.
 
-Tolerances, from the 2026-11-21 measurements on a 2-core CPU (dev/LOG.md, issue 6):
-- AdamW, 2 processes vs 1: weights within 1.7e-5 (relative Frobenius norm per tensor), eval loss within 5e-7.
-  Allowed: 1e-4 and 1e-5. ZeRO-2 gave weights bit-identical to DDP; ZeRO-3 matched to the same 1.7e-5.
+Tolerances, from the 2026-11-21 measurements on a 2-core CPU (dev/LOG.md, issue 6), re-measured 2026-11-23 (issue 13)
+after the training data became a stream and the 1-process reference became 1 process x 2 DataLoader workers x 2
+accumulated batches of 4 rows (it was 1 x 8 rows):
+- AdamW, 2 processes vs 1: weights within 1.7e-5 (relative Frobenius norm per tensor), eval loss within 5e-7; since
+  issue 13 DDP is bit-identical (2 accumulated micro-batches sum the gradients as the 2-rank all-reduce does) and
+  ZeRO-2 / ZeRO-3 are within 1.2e-6. Allowed: 1e-4 and 1e-5.
 - Muon, 2 processes vs 1: weights within 1.7e-3 (the AdamW-driven scalars and embeddings: near-zero gradients
   divided by sqrt(v) turn round-off into +-lr steps), eval loss within 9e-5; after `encodings/` left the stdlib
-  corpus (other documents), the L3 key table differed by 2.8e-2. Allowed: 5e-2 and 1e-3; training on half the
-  global batch instead (no all-reduce) moves the weights by 4.1 (`test_muon_tolerance_can_tell`).
+  corpus (other documents), the L3 key table differed by 2.8e-2; since issue 13 DDP is bit-identical. Allowed: 5e-2
+  and 1e-3; training on half the global batch instead (no all-reduce) moves the weights by 1.4
+  (`test_muon_tolerance_can_tell`).
 - Resuming from the step-10 checkpoint: bit-identical weights and eval loss in both DDP and ZeRO-2. Allowed: 1e-6.
+  The resumed run trains on exactly the uninterrupted run's rows of steps 11-20 on every rank (row hashes), the
+  stream state coming from the checkpoint (DDP: read in one DataLoader worker per rank).
 - SFT LoRA, 2 processes vs 1 (DDP, ZeRO-2, ZeRO-3): adapters within 3.9e-7, equal eval loss; on the base model
-  trained from the new corpus, 1.4e-5 (DDP, ZeRO-3) and 5.3e-5 (ZeRO-2): reduction-order round-off. Allowed: 1e-3
-  and 1e-5 (without the gradient all-reduce the eval loss was 1e-2 off). (The recipe evaluates at step 0 inside train(); an evaluate() before train() left DDP unwrapped and gave
-  ZeRO an inference engine.)
+  trained from the new corpus, 1.4e-5 (DDP, ZeRO-3) and 5.3e-5 (ZeRO-2): reduction-order round-off; on the base
+  model of the streamed data (issue 13), 1.9e-6. Allowed: 1e-3 and 1e-5 (without the gradient all-reduce the eval
+  loss was 1e-2 off). (The recipe evaluates at step 0 inside train(); an evaluate() before train() left DDP unwrapped
+  and gave ZeRO an inference engine.)
 """
 
 import json
@@ -34,6 +41,7 @@ RESUME_RTOL = 1e-6
 SFT_ADAPTER_RTOL, SFT_LOSS_ATOL = 1e-3, 1e-5
 MIN_BPB_DROP = 0.25  # 20 steps lower the validation bpb by 0.6 (Muon) to 0.9 (AdamW); round-off is ~1e-4
 WORLD_SIZE = 2
+PRETRAIN_STEPS, CHECKPOINT_STEP = 20, 10  # as in conftest.py
 
 
 def relative_differences(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -114,6 +122,15 @@ def test_resume_from_checkpoint_continues_identically(request, distributed_dir, 
     launch = request.getfixturevalue(config)
     assert_world_size(launch, "pretrain_adamw_resumed")
     uninterrupted, resumed = launch.metrics("pretrain_adamw"), launch.metrics("pretrain_adamw_resumed")
+    # every rank trains on exactly the rows the uninterrupted run trained on after step 10, read from the stream's
+    # saved state (DDP: in a DataLoader worker per rank), and the chained digest of the consumed rows agrees
+    for rank, (all_steps, after_resume) in enumerate(zip(launch.rows("pretrain_adamw"),
+                                                         launch.rows("pretrain_adamw_resumed"))):
+        assert len(all_steps) == PRETRAIN_STEPS and all_steps[:CHECKPOINT_STEP] != all_steps[CHECKPOINT_STEP:]
+        assert after_resume == all_steps[CHECKPOINT_STEP:], f"rank {rank}"
+    digests = [json.loads((distributed_dir / config / run / "metadata.json").read_text())["data"]
+               for run in ("pretrain_adamw", "pretrain_adamw_resumed")]
+    assert digests[0]["train_tokens_sha256"] == digests[1]["train_tokens_sha256"]
     assert resumed["eval_loss"] == pytest.approx(uninterrupted["eval_loss"], rel=RESUME_RTOL)
     # The resumed session trained steps 11-20 only, with the same per-step losses: its mean training loss is the
     # mean of the uninterrupted run's logged windows at steps 15 and 20 (logging_steps 5)
@@ -123,6 +140,17 @@ def test_resume_from_checkpoint_continues_identically(request, distributed_dir, 
     assert resumed["train_loss"] == pytest.approx((windows[15] + windows[20]) / 2, rel=RESUME_RTOL)
     assert_close_weights(distributed_dir / config / "pretrain_adamw_resumed",
                          distributed_dir / config / "pretrain_adamw", RESUME_RTOL)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_train_on_disjoint_rows(ddp):
+    """Each rank reads its own stream (no rank reads the data of another and no batch is dispatched from rank 0):
+    the rows of the two ranks never coincide, and each rank trained on a full batch at every step."""
+    ranks = ddp.rows("pretrain_adamw")
+    assert len(ranks) == WORLD_SIZE and all(len(steps) == PRETRAIN_STEPS for steps in ranks)
+    per_rank = [[row for step in steps for row in step] for steps in ranks]
+    assert all(len(rows) == PRETRAIN_STEPS * 4 for rows in per_rank)
+    assert not set(per_rank[0]) & set(per_rank[1])
 
 
 @pytest.mark.slow

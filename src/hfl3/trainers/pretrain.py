@@ -1,15 +1,20 @@
 """Pretraining L3GPT with the HF Trainer: `PretrainConfig`, the packed-row collator, bits-per-byte evaluation and
-`L3GPTTrainer` (optimizer and LR-schedule hooks)."""
+`L3GPTTrainer` (optimizer and LR-schedule hooks, and the streamed training data's DataLoader and checkpointed state)."""
 
+import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from accelerate.utils import gather_object
 from transformers import EvalPrediction, Trainer, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 from hfl3 import fp8
+from hfl3.data.packing import PackingReport
+from hfl3.data.streaming import DATA_STATE_KEY, PackedStream, StreamBatch, StreamProgress, stream_dataloader
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +32,8 @@ class PretrainConfig(TrainingArguments):
     `logging_steps=10`, `save_strategy="no"`, `remove_unused_columns=False`,
     `include_num_input_tokens_seen=True` ("all", counted without a per-step device sync by `L3GPTTrainer`),
     `logging_nan_inf_filter=False` (transformers' filter syncs the device every step and logs a non-finite loss as
-    the running mean, hiding a divergence), `save_safetensors` always (transformers v5).
+    the running mean, hiding a divergence), `ignore_data_skip=True` (a streamed dataset resumes from the state saved
+    in the checkpoint, not by skipping batches), `save_safetensors` always (transformers v5).
     Pass `--optim` as usual for the AdamW variant; `--optimizer muon` selects Muon whatever `--optim` says.
     """
 
@@ -50,6 +56,8 @@ class PretrainConfig(TrainingArguments):
     remove_unused_columns: bool = field(default=False, metadata={"help": "see TrainingArguments"})
     include_num_input_tokens_seen: str | bool = field(default=True, metadata={"help": "see TrainingArguments"})
     logging_nan_inf_filter: bool = field(default=False, metadata={"help": "see TrainingArguments"})
+    ignore_data_skip: bool = field(default=True, metadata={"help": "a streamed train_dataset resumes from its saved "
+                                                           "state; skipping batches would re-read the stream"})
 
     def __post_init__(self):
         if self.optimizer not in ("adamw", "muon"):
@@ -67,19 +75,27 @@ class PretrainConfig(TrainingArguments):
 
 
 class PackedCollator:
-    """Stacks packed rows (`input_ids` lists of equal length) into `input_ids`, `labels` (= input_ids; the model
-    shifts) and, unless `attend_across_documents`, `position_ids` restarting at every BOS so that transformers'
-    masks keep packed documents apart (block-causal attention)."""
+    """Stacks packed rows (`input_ids` lists or arrays of equal length) into `input_ids`, `labels` (= input_ids; the
+    model shifts) and, unless `attend_across_documents`, `position_ids` restarting at every BOS so that transformers'
+    masks keep packed documents apart (block-causal attention).
+
+    Also takes a `StreamBatch` (`hfl3.data.streaming`, the streamed training data): its rows, and its worker's
+    stream state under `data_state`, which `L3GPTTrainer` takes out of the batch before the model sees it."""
 
     def __init__(self, bos_token_id: int, attend_across_documents: bool = False):
         self.bos_token_id = bos_token_id
         self.attend_across_documents = attend_across_documents
 
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        input_ids = torch.tensor([row["input_ids"] for row in rows], dtype=torch.long)  # (B, T)
+    def __call__(self, rows: list[dict] | StreamBatch) -> dict:
+        if isinstance(rows, StreamBatch):
+            input_ids = torch.from_numpy(rows.input_ids.astype(np.int64))  # (B, T)
+        else:
+            input_ids = torch.as_tensor(np.stack([np.asarray(row["input_ids"]) for row in rows]), dtype=torch.long)
         batch = {"input_ids": input_ids, "labels": input_ids.clone()}
         if not self.attend_across_documents:
             batch["position_ids"] = document_position_ids(input_ids, self.bos_token_id)
+        if isinstance(rows, StreamBatch):
+            batch[DATA_STATE_KEY] = rows.state
         return batch
 
 
@@ -124,16 +140,81 @@ class BitsPerByte:
 class L3GPTTrainer(Trainer):
     """HF Trainer for pretraining. Overrides the optimizer (one place: `create_optimizer`), the default WSD
     schedule's step counts and the input-token count (no device sync per step); evaluation runs with hfl3 FP8
-    layers swapped back to high precision."""
+    layers swapped back to high precision.
+
+    A `PackedStream` as `train_dataset` is read per process and DataLoader worker (`hfl3.data.streaming.
+    stream_dataloader`: a plain DataLoader, since accelerate would otherwise read an IterableDataset on rank 0 and
+    dispatch its batches, or give every rank the whole stream); each consumed batch updates `data_progress` (worker
+    states, chained sha256 of the rows), which every checkpoint saves (`data_state_rank{R}.safetensors`) and
+    `train(resume_from_checkpoint=...)` restores, so a resumed run consumes exactly the rows an uninterrupted run
+    would have."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._pending_input_tokens = 0
+        self.data_progress: StreamProgress | None = None
+        if isinstance(self.train_dataset, PackedStream) and not self.args.ignore_data_skip:
+            raise ValueError("a streamed train_dataset resumes from the state saved in the checkpoint: set "
+                             "ignore_data_skip=True (PretrainConfig's default); skipping batches would re-read it")
         if self.args.optimizer == "muon":
             from hfl3.optim import refuse_sharded_training
 
             # Here, not only in create_optimizer: a DeepSpeed config with its own optimizer section skips that.
             refuse_sharded_training(self.args)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """`Trainer.train`; with a streamed `train_dataset`, first the stream's progress: loaded from the checkpoint
+        (`True`: the last one in `output_dir`), else from the start."""
+        if isinstance(self.train_dataset, PackedStream):
+            checkpoint = get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True \
+                else resume_from_checkpoint
+            self.data_progress = self._new_data_progress(checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _new_data_progress(self, checkpoint: str | None = None) -> StreamProgress:
+        key = (self.train_dataset.fingerprint(), self.args.process_index, self.args.world_size,
+               self.args.dataloader_num_workers)
+        return StreamProgress.load(checkpoint, *key) if checkpoint else StreamProgress(*key)
+
+    def get_train_dataloader(self):
+        if not isinstance(self.train_dataset, PackedStream):
+            return super().get_train_dataloader()
+        self.data_progress = self.data_progress or self._new_data_progress()
+        workers = self.args.dataloader_num_workers
+        extra = dict(persistent_workers=self.args.dataloader_persistent_workers,
+                     prefetch_factor=self.args.dataloader_prefetch_factor,
+                     multiprocessing_context=self.args.dataloader_multiprocessing_context) if workers else {}
+        return stream_dataloader(self.train_dataset, self._train_batch_size, self.data_collator, self.data_progress,
+                                 workers, pin_memory=self.args.dataloader_pin_memory, **extra)
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """The Trainer's batches for one optimizer step; the stream state each carries moves into `data_progress`."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        for batch in batch_samples:
+            state = batch.pop(DATA_STATE_KEY, None)
+            if state is not None:
+                self.data_progress.consume(state, batch["input_ids"])
+        return batch_samples, num_items_in_batch
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """The RNG states and the data stream's progress: the per-process state a resume needs, written before
+        trainer_state.json marks the checkpoint complete and before older checkpoints are rotated away."""
+        super()._save_rng_state(output_dir)
+        if self.data_progress is not None:
+            self.data_progress.save(output_dir)
+
+    def stream_summary(self) -> dict | None:
+        """What the streamed training consumed on all processes (a collective: call it on every rank): per-rank
+        `summary()`s, the packing report summed, and `sha256`, the sha256 over the ranks' chained digests (32 bytes
+        each, in rank order). None without a streamed dataset."""
+        if self.data_progress is None:
+            return None
+        ranks = sorted(gather_object([self.data_progress.summary()]), key=lambda summary: summary["rank"])
+        packing = sum((PackingReport.from_dict(r["packing"]) for r in ranks), PackingReport()).as_dict()
+        combined = hashlib.sha256(b"".join(bytes.fromhex(r["sha256"]) for r in ranks)).hexdigest()
+        return {"sha256": combined, "ranks": ranks, "packing": packing,
+                "documents": sum(r["documents"] for r in ranks),
+                "held_out_documents": sum(r["held_out_documents"] for r in ranks)}
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
         self._num_training_steps = num_training_steps
