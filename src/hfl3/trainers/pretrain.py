@@ -130,10 +130,10 @@ class L3GPTTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self._pending_input_tokens = 0
         if self.args.optimizer == "muon":
-            from hfl3.optim import refuse_sharded_training
+            from hfl3.optim import refuse_unsupported_sharding
 
             # Here, not only in create_optimizer: a DeepSpeed config with its own optimizer section skips that.
-            refuse_sharded_training(self.args)
+            refuse_unsupported_sharding(self.args)
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
         self._num_training_steps = num_training_steps
