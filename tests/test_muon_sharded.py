@@ -1,7 +1,7 @@
 """MuonAdamW's sharded step in one process: setups refused before training (with the reason and the way out) and
 accepted ones, DeepSpeed ZeRO-3 parameters grouped by `ds_shape`, flat tensors nobody mapped refused, and a one-rank
-FSDP2 group equal to plain tensors. Two-process equality with DDP: tests/distributed/test_muon_sharded.py and the
-ZeRO recipe runs in tests/distributed/test_recipes_distributed.py."""
+FSDP2 group equal to plain tensors. Multi-process equality with DDP: tests/distributed/test_muon_sharded_distributed.py
+and the ZeRO recipe runs in tests/distributed/test_recipes_distributed.py."""
 
 from pathlib import Path
 from types import SimpleNamespace

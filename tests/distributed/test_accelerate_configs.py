@@ -144,7 +144,7 @@ def _rows(rank: int) -> torch.Tensor:
 def _fsdp2_worker(rank: int, world_size: int, store: str, env: dict, result_path: str) -> None:
     """One rank: accelerate's FSDP2 preparation of an L3GPT from fsdp2.yaml's plugin, a forward/backward on this
     rank's rows, and the full state dict gathered as FULL_STATE_DICT saving does (MuonAdamW under FSDP2:
-    test_muon_sharded.py)."""
+    test_muon_sharded_distributed.py)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -273,10 +273,11 @@ def _deepspeed_config(args) -> dict | None:
     if not source and from_env:
         source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
         if source == "none":
+            prefix = "ACCELERATE_DEEPSPEED_"
             return {"zero_optimization": {
-                "stage": int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2)),
-                "offload_optimizer": {"device": os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")},
-                "offload_param": {"device": os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")},
+                "stage": int(os.environ.get(prefix + "ZERO_STAGE", 2)),
+                "offload_optimizer": {"device": os.environ.get(prefix + "OFFLOAD_OPTIMIZER_DEVICE", "none")},
+                "offload_param": {"device": os.environ.get(prefix + "OFFLOAD_PARAM_DEVICE", "none")},
             }}
     if isinstance(source, dict):
         return source

@@ -94,7 +94,7 @@ class ShardedMuon:
         owned_by: list[list[int]] = [[] for _ in range(self.world_size)]
         for position, index in enumerate(index for members in stacks.values() for index in members):
             owned_by[position % self.world_size].append(index)
-        self.owners = {index: rank for rank, indices in enumerate(owned_by) for index in indices}
+        self.matrix_count = len(shapes)
         mine = owned_by[self.rank]
         numel = [rows * cols for rows, cols in shapes]
         moment_numel = [math.prod(moment_shape(*shape)) for shape in shapes]
@@ -133,11 +133,15 @@ class ShardedMuon:
         self.local_moment_numel = sum(p.length for found in moment_pieces for p in found if p.rank == self.rank)
         self.total_numel, self.total_moment_numel = sum(numel), sum(moment_numel)
 
-    def describe(self) -> str:
+    def describe(self, state_bytes: int, element_size: int) -> str:
+        """One line for the log: what this rank orthogonalises, and its Muon state against the whole group's."""
         owned = sum(count * rows * cols for (rows, cols), count, _, _ in self.owned_stacks)
-        return (f"{len(self.owners)} matrices sharded over {self.world_size} ranks; rank {self.rank} orthogonalises "
+        total_bytes = self.total_numel * element_size + self.total_moment_numel * 4
+        return (f"{self.matrix_count} matrices sharded over {self.world_size} ranks; rank {self.rank} orthogonalises "
                 f"{sum(count for _, count, _, _ in self.owned_stacks)} of them "
-                f"({100 * owned / max(self.total_numel, 1):.1f}% of the elements)")
+                f"({100 * owned / max(self.total_numel, 1):.1f}% of the elements) and holds "
+                f"{state_bytes / 2**20:.2f} MB of Muon state ({100 * state_bytes / max(total_bytes, 1):.1f}% of "
+                f"{total_bytes / 2**20:.2f} MB)")
 
     def step(self, params: torch.Tensor, grads: torch.Tensor, momentum_buffer: torch.Tensor,
              second_moment: torch.Tensor, *, momentum, lr, weight_decay, beta2, nesterov: bool,
@@ -216,7 +220,9 @@ class ZeroShardedGroup:
                                f"({tuple(own['momentum_buffer'].shape)}, {tuple(own['second_moment'].shape)} vs "
                                f"{tuple(flat.shape)}, ({per_rank},)): a checkpoint from another world size or layout")
         self.state = own
-        logger.info("MuonAdamW %r under DeepSpeed ZeRO: %s", group_name, self.plan.describe())
+        state_bytes = sum(own[key].numel() * own[key].element_size() for key in ("momentum_buffer", "second_moment"))
+        logger.info("MuonAdamW %r under DeepSpeed ZeRO: %s", group_name,
+                    self.plan.describe(state_bytes, flat.element_size()))
 
     def step(self, **settings) -> None:
         if self.flat.grad is not None:
@@ -288,7 +294,8 @@ def _zero3_layout(flat, matrices, group_name):
         pieces.append([Piece(p.rank, offset + p.local_offset, p.offset, p.length) for p in found])
         offset += size
     if offset != flat.numel():
-        raise RuntimeError(f"MuonAdamW: the ZeRO-3 partition has {flat.numel()} elements, its matrices' ranges {offset}")
+        raise RuntimeError(f"MuonAdamW: the ZeRO-3 partition has {flat.numel()} elements, its matrices' ranges "
+                           f"{offset}")
     return shapes, pieces, process_group
 
 
@@ -347,7 +354,9 @@ class FSDP2ShardedGroup:
                     local.copy_(saved.to_local() if isinstance(saved, DTensor) else saved)
                 state[param][key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
                                                        stride=(shape[1], 1))
-        logger.info("MuonAdamW %r under FSDP2: %s", group_name, self.plan.describe())
+        state_bytes = sum(flat.numel() * flat.element_size() for flat in (self.momentum, self.second_moment))
+        logger.info("MuonAdamW %r under FSDP2: %s", group_name,
+                    self.plan.describe(state_bytes, self.momentum.element_size()))
 
     def step(self, **settings) -> None:
         grads = [param.grad for param in self.params]

@@ -247,7 +247,8 @@ def test_zero_init_groups_like_a_plain_model_and_state_is_sharded(sharded_runs):
     on Muon. Each rank holds about half of DDP's Muon state."""
     reference = _model()
     names = {id(param): name for name, param in reference.named_parameters()}
-    expected = {group["name"]: sorted(names[id(p)] for p in group["params"]) for group in param_groups_by_kind(reference)}
+    expected = {group["name"]: sorted(names[id(p)] for p in group["params"])
+                for group in param_groups_by_kind(reference)}
     assert sharded_runs["zero3_groups"] == expected
     for scheme in ("fsdp2", "zero3"):
         share = sharded_runs[f"{scheme}_state_bytes"] / sharded_runs["ddp_state_bytes"]
