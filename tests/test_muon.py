@@ -1,5 +1,6 @@
 """MuonAdamW: references (float64 SVD polar factor, torch.optim.Muon, torch.optim.AdamW), grouping,
-schedules, Trainer integration and resume identity, refusal under DeepSpeed ZeRO / FSDP2."""
+schedules, Trainer integration and resume identity (under DeepSpeed ZeRO / FSDP2: test_muon_sharded.py and
+tests/distributed)."""
 
 import logging
 import math
@@ -401,77 +402,6 @@ def test_trainer_schedules_every_group_and_resume_continues_identically(tmp_path
     for p, q in zip(model.parameters(), resumed_model.parameters()):
         for key, value in optimizer.state[p].items():
             assert torch.equal(value, resumed_optimizer.state[q][key]), key
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Refusal under DeepSpeed ZeRO and FSDP2
-
-
-def test_step_refuses_zero_flattened_partitions():
-    model = tiny_qwen3(False)
-    optimizer = MuonAdamW(param_groups_by_kind(model))
-    matrix_group = next(g for g in optimizer.param_groups if g["kind"] == "muon")
-    # what DeepSpeedZeroOptimizer does to the client optimizer: one flat fp32 partition per group
-    flat = nn.Parameter(torch.cat([p.detach().flatten() for p in matrix_group["params"]]))
-    flat.grad = torch.ones_like(flat)
-    matrix_group["params"] = [flat]
-    with pytest.raises(RuntimeError, match="flattened partitions.*DDP"):
-        optimizer.step()
-
-
-def test_construction_refuses_zero3_parameters():
-    param = nn.Parameter(torch.empty(0))
-    param.ds_id = 7  # ZeRO-3 partitioned parameters are empty tensors with a ds_id
-    with pytest.raises(RuntimeError, match="ds_id"):
-        MuonAdamW([{"params": [param], "kind": "muon"}])
-
-
-def test_refuses_fsdp2_dtensor_shards(tmp_path):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        shard = nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]))
-        with pytest.raises(RuntimeError, match="DTensor shard.*FSDP2"):
-            MuonAdamW([{"params": [shard], "kind": "muon"}])
-        # accelerate swaps the sharded parameters in after the optimizer was built (fsdp2_switch_optimizer_parameters)
-        plain = nn.Parameter(torch.randn(8, 8))
-        optimizer = MuonAdamW([{"params": [plain], "kind": "muon"}])
-        shard.grad = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
-        optimizer.param_groups[0]["params"] = [shard]
-        with pytest.raises(RuntimeError, match="DTensor shard"):
-            optimizer.step()
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.parametrize(
-    "setting, match",
-    [
-        ({"env": ("ACCELERATE_USE_DEEPSPEED", "true")}, "DeepSpeed ZeRO"),
-        ({"env": ("ACCELERATE_USE_FSDP", "true")}, "FSDP"),
-        ({"state": "DEEPSPEED"}, "DeepSpeed ZeRO"),
-        ({"state": "FSDP"}, "FSDP"),
-        ({"args": ("fsdp", ["full_shard"])}, "FSDP"),
-        ({"args": ("deepspeed", "zero2.json")}, "DeepSpeed ZeRO"),
-    ],
-    ids=["env-deepspeed", "env-fsdp", "accelerate-deepspeed", "accelerate-fsdp", "args-fsdp", "args-deepspeed"],
-)
-def test_create_refuses_sharded_training(tmp_path, monkeypatch, setting, match):
-    from accelerate.state import AcceleratorState, DistributedType
-
-    args = _args(tmp_path)
-    if "env" in setting:
-        monkeypatch.setenv(*setting["env"])
-    if "state" in setting:
-        monkeypatch.setitem(AcceleratorState._shared_state, "distributed_type", DistributedType[setting["state"]])
-    if "args" in setting:
-        monkeypatch.setattr(args, *setting["args"])
-    with pytest.raises(RuntimeError, match=rf"{match}.*Train with DDP"):
-        create_muon_optimizer(tiny_qwen3(False), args)
 
 
 def test_lr_scale_uses_the_hidden_size():

@@ -129,6 +129,13 @@ def resumed_from(uninterrupted_dir: Path) -> tuple[str, ...]:
     return "--resume_from_checkpoint", str(uninterrupted_dir / f"checkpoint-{CHECKPOINT_STEP}")
 
 
+def muon_and_resumed(out: Path, *extra: str) -> list[dict]:
+    """Pretrain Muon with a checkpoint at step 10, and its resumption from that checkpoint."""
+    return [pretrain_run("pretrain_muon", out / "pretrain_muon", 4, *extra, "--optimizer", "muon", *CHECKPOINTED),
+            pretrain_run("pretrain_muon_resumed", out / "pretrain_muon_resumed", 4, *extra, "--optimizer", "muon",
+                         *resumed_from(out / "pretrain_muon"))]
+
+
 @pytest.fixture(scope="session")
 def distributed_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("distributed")
@@ -192,33 +199,35 @@ def ddp_without_use_cpu(distributed_dir) -> Launch:
 
 @pytest.fixture(scope="session")
 def zero2(distributed_dir, sft_base, sft_chats) -> Launch:
-    """accelerate_configs/zero2.yaml on CPU (2 processes, gloo): pretrain AdamW (checkpoint at step 10), its
-    resumption, pretrain Muon (refused), SFT LoRA."""
+    """accelerate_configs/zero2.yaml on CPU (2 processes, gloo): pretrain AdamW and Muon (checkpoints at step 10), their
+    resumptions, SFT LoRA."""
     out = distributed_dir / "zero2"
     gloo = ("--ddp_backend", "gloo")
     return launch("zero2.yaml", [
         pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, *gloo, *CHECKPOINTED, record_rows=True),
         pretrain_run("pretrain_adamw_resumed", out / "pretrain_adamw_resumed", 4, *gloo,
                      *resumed_from(out / "pretrain_adamw"), record_rows=True),
-        pretrain_run("pretrain_muon", out / "pretrain_muon", 4, *gloo, "--optimizer", "muon", continue_on_error=True),
+        *muon_and_resumed(out, *gloo),
         sft_run("sft_lora", sft_base, sft_chats, out / "sft_lora", 2, *gloo, continue_on_error=True),
     ], out)
 
 
 @pytest.fixture(scope="session")
 def zero3(distributed_dir, sft_base, sft_chats) -> Launch:
-    """accelerate_configs/zero3.yaml on CPU (2 processes, gloo): pretrain AdamW, SFT LoRA."""
+    """accelerate_configs/zero3.yaml on CPU (2 processes, gloo): pretrain AdamW, pretrain Muon (checkpoint at step 10)
+    and its resumption, SFT LoRA."""
     out = distributed_dir / "zero3"
     gloo = ("--ddp_backend", "gloo")
     return launch("zero3.yaml", [
         pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, *gloo),
+        *muon_and_resumed(out, *gloo),
         sft_run("sft_lora", sft_base, sft_chats, out / "sft_lora", 2, *gloo, continue_on_error=True),
     ], out)
 
 
 @pytest.fixture(scope="session")
 def fsdp2_gpu(distributed_dir) -> Launch:
-    """accelerate_configs/fsdp2.yaml on every CUDA GPU of the machine: pretrain AdamW, pretrain Muon (refused)."""
+    """accelerate_configs/fsdp2.yaml on every CUDA GPU of the machine: pretrain AdamW, pretrain Muon."""
     import torch
 
     gpus = torch.cuda.device_count()
@@ -226,6 +235,5 @@ def fsdp2_gpu(distributed_dir) -> Launch:
     per_device = 8 // gpus if 8 % gpus == 0 else 8
     return launch("fsdp2.yaml", [
         pretrain_run("pretrain_adamw", out / "pretrain_adamw", per_device),
-        pretrain_run("pretrain_muon", out / "pretrain_muon", per_device, "--optimizer", "muon",
-                     continue_on_error=True),
+        pretrain_run("pretrain_muon", out / "pretrain_muon", per_device, "--optimizer", "muon"),
     ], out, launch_args=("--num_processes", str(gpus)))

@@ -1,8 +1,9 @@
 """Optimizers for hfl3: `MuonAdamW` (Muon for hidden matrices + AdamW for the rest), its parameter grouping and
 its one-line construction for the HF Trainer (`create_muon_optimizer`)."""
 
-from .groups import create_muon_optimizer, param_groups_by_kind, refuse_sharded_training
-from .muon import MuonAdamW, muon_momentum, normuon_rescale, orthogonalize, weight_decay_factor
+from .groups import create_muon_optimizer, param_groups_by_kind, refuse_unsupported_sharding
+from .muon import MuonAdamW
+from .update import muon_momentum, normuon_rescale, orthogonalize, weight_decay_factor
 
 __all__ = [
     "MuonAdamW",
@@ -11,6 +12,6 @@ __all__ = [
     "normuon_rescale",
     "orthogonalize",
     "param_groups_by_kind",
-    "refuse_sharded_training",
+    "refuse_unsupported_sharding",
     "weight_decay_factor",
 ]

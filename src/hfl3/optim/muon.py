@@ -43,38 +43,34 @@ first 300 optimizer steps, and every group's weight decay decays linearly to 0 o
 so `state_dict()` carries it and a Trainer resume continues identically. The LR itself is left to
 the Trainer's scheduler, which multiplies every group's `initial_lr`.
 
-Distributed: under DDP the optimizer sees whole matrices with averaged gradients and needs nothing.
-Under DeepSpeed ZeRO it would see flattened 1-D partitions and under FSDP2 DTensor shards, where
-orthogonalising a shard is not orthogonalising the matrix: both are refused with an error, at
-creation (`create_muon_optimizer` reads accelerate's state, the launcher's environment and the
-TrainingArguments) and when a group's parameters are checked (see above). A stack is also the unit
-that a sharded Muon (issue 16) distributes: an owner rank gathers whole matrices into its slice of a
-stack, runs `muon_update` on it, and scatters the result, its state being that slice.
+Distributed: under DDP the optimizer sees whole matrices with averaged gradients and needs nothing. Under DeepSpeed
+ZeRO-1/2/3 it sees one flat fp32 partition per group and under FSDP2 DTensor shards, where orthogonalising a shard
+is not orthogonalising the matrix: a Muon group in either form runs the sharded step of `hfl3.optim.sharded` (each
+matrix gathered whole on an owner rank, round-robin over each same-shape stack, orthogonalised there with
+`muon_direction`, and the result returned; state sharded like the parameters; equal to DDP up to round-off). The
+setups it cannot run under are refused before training (`hfl3.optim.refuse_unsupported_sharding`) or when the
+group is first laid out. The update itself (`muon_update` and its parts): `hfl3.optim.update`.
 
 Grouping a model's parameters and building the optimizer from `TrainingArguments`: `hfl3.optim.groups`.
 """
 
 import logging
-import math
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Iterable
 
 import torch
 from torch.optim.adamw import adamw
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-logger = logging.getLogger(__name__)
-
-# Polar Express coefficients, arXiv 2505.16932 (Amsel, Persson, Musco, Gower), computed for num_iters=5,
-# safety_factor=2e-2, cushion=2; the values nanochat (nanochat/optim.py) and modded-nanogpt use.
-POLAR_EXPRESS_COEFFICIENTS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+from .update import (
+    POLAR_EXPRESS_COEFFICIENTS,
+    POLAR_EXPRESS_NORM_SAFETY,
+    muon_momentum,
+    muon_update,
+    weight_decay_factor,
 )
-# The input is divided by 1.01·‖X‖_F so that every singular value starts below 1 (the paper's safety margin).
-POLAR_EXPRESS_NORM_SAFETY = 1.01
+
+logger = logging.getLogger(__name__)
 
 MUON_DEFAULTS = {
     "lr": 0.02,  # nanochat's matrix_lr
@@ -93,155 +89,6 @@ MUON_DEFAULTS = {
 ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.8, 0.95), "eps": 1e-10, "weight_decay": 0.0}
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 _SCHEDULED = ("momentum", "lr", "weight_decay")  # the values that change between steps
-
-
-def orthogonalize(
-    matrix: torch.Tensor,
-    coefficients: Sequence[tuple[float, float, float]] = POLAR_EXPRESS_COEFFICIENTS,
-    *,
-    norm_safety: float = POLAR_EXPRESS_NORM_SAFETY,
-    eps: float = 1e-7,
-    dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """Approximate the polar factor `U Vᵀ` of `matrix = U S Vᵀ` by odd quintic Newton–Schulz steps.
-
-    Each step `i` applies `X <- a_i X + (b_i A + c_i A²) X` with `A = X Xᵀ`, on the wide orientation
-    (a tall input is transposed first, so the Gram matrix is the small one). With the Polar Express
-    coefficients the singular values of the result land near 1 (in [0.85, 1.15] for inputs whose
-    singular values all exceed 1e-3 of the Frobenius norm); with Keller Jordan's fixed
-    (3.4445, -4.7750, 2.0315) repeated five times this is exactly `torch.optim.Muon`'s iteration.
-    A stack of matrices is orthogonalised matrix by matrix with batched matmuls (`bmm`/`baddbmm`,
-    `3 · len(coefficients)` calls whatever `k`); a single matrix with `mm`/`addmm`.
-
-    Args:
-        matrix (`torch.Tensor` of shape `(rows, cols)` or `(k, rows, cols)`): the update(s), any float dtype.
-        coefficients: one `(a, b, c)` per step; the number of steps is `len(coefficients)`.
-        norm_safety: each matrix is divided by `norm_safety · ‖matrix‖_F` (clamped below by `eps`).
-        dtype: dtype of the iteration; bf16 is what the coefficients were designed for.
-
-    Returns:
-        `torch.Tensor` of the input's shape, in `dtype`.
-
-    Raises:
-        ValueError: if `matrix` is neither 2-D nor 3-D.
-    """
-    if matrix.ndim not in (2, 3):
-        raise ValueError(
-            f"orthogonalize: expected a 2-D matrix or a 3-D stack of matrices, got shape {tuple(matrix.shape)}"
-        )
-    x = matrix.to(dtype)
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
-    norm = x.norm(dim=(-2, -1), keepdim=True)
-    if norm_safety != 1.0:
-        norm = norm * norm_safety
-    x = x / norm.clamp(min=eps)
-    # addmm rather than b·A + c·A@A: one rounding in bf16, and the same kernels as torch.optim.Muon
-    multiply_add = torch.addmm if x.ndim == 2 else torch.baddbmm
-    for a, b, c in coefficients:
-        gram = x @ x.mT  # (k, rows, rows) with rows <= cols
-        x = multiply_add(x, multiply_add(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.mT if tall else x
-
-
-def normuon_rescale(
-    update: torch.Tensor, second_moment: torch.Tensor, beta2: float | torch.Tensor
-) -> torch.Tensor:
-    """NorMuon variance reduction (arXiv 2510.05491, as in nanochat/optim.py): per-neuron adaptive scale.
-
-    Keeps an EMA of the mean squared update per row (when `rows >= cols`) or per column, divides the
-    update by its square root, then rescales so that each matrix's Frobenius norm is unchanged.
-
-    Args:
-        update (`torch.Tensor` of shape `(rows, cols)` or `(k, rows, cols)`): the orthogonalised update(s).
-        second_moment (`torch.Tensor` of shape `([k,] rows, 1)` or `([k,] 1, cols)`, fp32): EMA, updated in place.
-        beta2: EMA decay of `second_moment`.
-
-    Returns:
-        `torch.Tensor` of the update's shape, fp32.
-    """
-    update = update.float()
-    reduce_dim = -1 if update.size(-2) >= update.size(-1) else -2
-    second_moment.lerp_(update.square().mean(dim=reduce_dim, keepdim=True), 1 - beta2)
-    scaled = update * second_moment.clamp_min(1e-10).rsqrt()
-    frobenius = (-2, -1)
-    return scaled * (
-        update.norm(dim=frobenius, keepdim=True) / scaled.norm(dim=frobenius, keepdim=True).clamp_min(1e-10)
-    )
-
-
-def muon_update(
-    params: torch.Tensor,
-    grads: torch.Tensor,
-    momentum_buffer: torch.Tensor,
-    second_moment: torch.Tensor | None,
-    *,
-    momentum: float | torch.Tensor,
-    lr: float | torch.Tensor,
-    weight_decay: float | torch.Tensor,
-    beta2: float | None,
-    nesterov: bool,
-    cautious_weight_decay: bool,
-    coefficients: Sequence[tuple[float, float, float]],
-    norm_safety: float,
-    eps: float,
-    dtype: torch.dtype,
-) -> None:
-    """One Muon step of `k` same-shape matrices, in place (the formulas of the module docstring).
-
-    The scheduled values `momentum`, `lr`, `weight_decay` are Python floats (eager: `add_`'s `alpha` then gives
-    the same bits as `torch.optim.Muon`) or 0-D float32 CPU tensors (under `torch.compile`: a new value is not a
-    recompile). The other arguments are constants of the graph.
-
-    Args:
-        params (`torch.Tensor` of shape `(k, rows, cols)`): the weights, updated in place.
-        grads (`torch.Tensor` of shape `(k, rows, cols)`): their gradients (not modified).
-        momentum_buffer (`torch.Tensor` of shape `(k, rows, cols)`): updated in place.
-        second_moment (`torch.Tensor` of shape `(k, rows, 1)` or `(k, 1, cols)`, fp32, or None): NorMuon's EMA,
-            updated in place; None (or `beta2` None) turns NorMuon off.
-        momentum, lr, weight_decay: this step's values (`weight_decay` already scaled by its schedule).
-        beta2: NorMuon's EMA decay.
-        nesterov, cautious_weight_decay, coefficients, norm_safety, eps, dtype: see `MuonAdamW` and `orthogonalize`.
-    """
-    if isinstance(momentum, torch.Tensor):  # lerp takes its weight in the tensors' dtype (nanochat casts it too)
-        momentum = momentum.to(grads.dtype)
-    momentum_buffer.lerp_(grads, 1 - momentum)
-    update = grads.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    update = orthogonalize(update, coefficients, norm_safety=norm_safety, eps=eps, dtype=dtype)
-    if second_moment is not None and beta2 is not None:
-        update = normuon_rescale(update, second_moment, beta2)
-    if cautious_weight_decay:
-        # decay only the coordinates where the update and the weight agree in sign
-        _add_scaled_(params, params * (update * params >= 0), -lr * weight_decay)
-    else:
-        params.mul_(1 - lr * weight_decay)
-    rows, cols = params.shape[-2:]
-    _add_scaled_(params, update, -lr * math.sqrt(max(1.0, rows / cols)))
-
-
-def _add_scaled_(target: torch.Tensor, other: torch.Tensor, alpha: float | torch.Tensor) -> None:
-    """`target += alpha · other`: a float through `add_`'s alpha (one rounding), a 0-D tensor through a product."""
-    if isinstance(alpha, torch.Tensor):
-        target.add_(other.to(torch.promote_types(other.dtype, target.dtype)) * alpha)
-    else:
-        target.add_(other, alpha=alpha)
-
-
-def muon_momentum(step: int, momentum: float, warmup_start: float, warmup_steps: int) -> float:
-    """Muon momentum at 0-based optimizer step `step`: linear `warmup_start -> momentum` over `warmup_steps`.
-
-    nanochat scripts/base_train.py `get_muon_momentum`: 0.85 -> 0.95 over the first 300 steps.
-    """
-    fraction = min(step / warmup_steps, 1.0) if warmup_steps > 0 else 1.0
-    return (1 - fraction) * warmup_start + fraction * momentum
-
-
-def weight_decay_factor(step: int, num_training_steps: int | None) -> float:
-    """Multiplier of the weight decay at 0-based step `step`: `1 - step / num_training_steps` (nanochat), 1 if None."""
-    if num_training_steps is None:
-        return 1.0
-    return max(0.0, 1.0 - step / num_training_steps)
 
 
 class _MuonStack:
@@ -286,13 +133,23 @@ class _AdamWLists:
 
 
 class _Layout:
-    """The stacks (Muon) or lists (AdamW) of one param group, valid while the group keeps its `params` list."""
+    """The stacks (Muon), sharded group (Muon under ZeRO/FSDP2) or lists (AdamW) of one param group, valid while the
+    group holds the same tensors."""
 
-    def __init__(self, source: list, parts: list):
-        self.source, self.count, self.parts = source, len(source), parts
+    def __init__(self, group: dict, parts: list):
+        self.group, self.source, self.tensors, self.parts = group, group["params"], list(group["params"]), parts
 
-    def is_current(self, params: list) -> bool:
-        return self.source is params and self.count == len(params)
+    def is_current(self, group: dict) -> bool:
+        params = group["params"]
+        if self.group is not group:
+            return False
+        if self.source is params and len(self.tensors) == len(params):
+            return True
+        # DeepSpeed ZeRO-3 assigns a new one-element list before every step: compare the tensors (O(1) there)
+        if len(params) == len(self.tensors) and all(a is b for a, b in zip(params, self.tensors)):
+            self.source = params
+            return True
+        return False
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -313,10 +170,14 @@ class MuonAdamW(torch.optim.Optimizer):
             once per stack shape at the first step). None (default): on CUDA yes, elsewhere no (on the CPU
             compiling costs more than it saves at test sizes; its result equals eager within round-off).
 
-    Every Muon parameter must be a plain 2-D tensor; construction (and the first step after a group's
-    `params` list was replaced) raises `RuntimeError` on a DTensor (FSDP2), a flattened 1-D partition or a
-    ZeRO-3 parameter (DeepSpeed) rather than orthogonalising a piece of a matrix. Change a group's
-    parameters by assigning a new list to `group["params"]`, never by editing the list in place. Weight
+    Every Muon parameter must be a 2-D matrix: a plain tensor (one process, DDP: stacked as above), an FSDP2
+    DTensor placed `Shard(0)` on a 1-D mesh, or a parameter that DeepSpeed ZeRO-1/2/3 replaces by its flat
+    partition; the last two run the sharded step of `hfl3.optim.sharded` (each matrix orthogonalised whole on an
+    owner rank, state sharded, the DDP result up to round-off). Construction, and the first step after a group's
+    `params` list was replaced (as accelerate and DeepSpeed do), raise `RuntimeError` for anything else (a 1-D
+    tensor that no ZeRO optimizer mapped, tensor-parallel DTensors, ...) rather than orthogonalising a piece of a
+    matrix. Change a group's parameters by assigning a new list to `group["params"]`, never by editing the list in
+    place. Weight
     decay is scaled by the group `lr` (not the shape-adjusted one), as `torch.optim.Muon` does; nanochat
     scales it by the adjusted LR (a factor 2 on the 4x-wide MLP up-projection only).
     """
@@ -331,11 +192,16 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"MuonAdamW: num_training_steps must be positive or None, got {num_training_steps}")
         self.num_training_steps = num_training_steps
         self.compile_update = compile_update
+        # The matrices each Muon group was built with, by id of the group dict (filled by add_param_group): under
+        # DeepSpeed ZeRO the group then holds one flat partition instead, and the sharded step maps it back to these
+        # (DeepSpeed keeps them alive as the model's parameters). Weak references: accelerate's FSDP2 preparation
+        # drops the unsharded originals.
+        self._group_matrices: dict[int, tuple[dict, list]] = {}
         self._init_runtime()
         super().__init__(list(param_groups), defaults={})
 
     def _init_runtime(self) -> None:
-        self._layouts: dict[int, _Layout] = {}
+        self._layouts: dict[int, _Layout] = {}  # by id of the group dict (DeepSpeed steps one group at a time)
         self._compiled_update = None
         self._scheduled_tensors = {key: torch.zeros((), dtype=torch.float32) for key in _SCHEDULED}
 
@@ -347,8 +213,11 @@ class MuonAdamW(torch.optim.Optimizer):
         }
 
     def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
+        super().__setstate__(state)  # also called by load_state_dict, which keeps _group_matrices (and remaps it)
         self._init_runtime()
+        if not hasattr(self, "_group_matrices"):  # unpickled
+            self._group_matrices = {id(group): (group, [weakref.ref(param) for param in group["params"]])
+                                    for group in self.param_groups if group["kind"] == "muon"}
 
     def add_param_group(self, param_group: dict) -> None:
         """Validate a tagged group, fill in its kind's defaults, the step count 0 and the decay horizon.
@@ -378,8 +247,12 @@ class MuonAdamW(torch.optim.Optimizer):
             group["ns_coefficients"] = tuple(tuple(step) for step in group["ns_coefficients"])  # graph constants
         super().add_param_group(group)
         if kind == "muon":
-            for param in self.param_groups[-1]["params"]:
-                _check_whole_matrix(param, group["name"])
+            from .sharded import check_muon_parameter
+
+            added = self.param_groups[-1]
+            for param in added["params"]:
+                check_muon_parameter(param, group["name"])
+            self._group_matrices[id(added)] = (added, [weakref.ref(param) for param in added["params"]])
 
     def load_state_dict(self, state_dict: dict) -> None:
         """`torch.optim.Optimizer.load_state_dict`, then Muon's state copied back into stacked buffers.
@@ -392,10 +265,14 @@ class MuonAdamW(torch.optim.Optimizer):
             for position, param_id in enumerate(saved_ids)
             if "second_moment" in state_dict["state"].get(param_id, {})
         }
-        super().load_state_dict(state_dict)
+        groups_before = list(self.param_groups)
+        super().load_state_dict(state_dict)  # replaces the group dicts
         params = [param for group in self.param_groups for param in group["params"]]
         for position, moment in second_moments.items():
             self.state[params[position]]["second_moment"] = moment.to(torch.float32)
+        for before, after in zip(groups_before, self.param_groups):
+            if id(before) in self._group_matrices:
+                self._group_matrices[id(after)] = (after, self._group_matrices.pop(id(before))[1])
         self._layouts = {}
 
     @torch.no_grad()
@@ -405,10 +282,12 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
-            layout = self._layouts.get(index)
-            if layout is None or not layout.is_current(group["params"]):
-                layout = self._layouts[index] = self._build_layout(group)
+        for group in self.param_groups:
+            if not group["params"]:  # DeepSpeed ZeRO-3 empties the groups whose sub-group it is not stepping
+                continue
+            layout = self._layouts.get(id(group))
+            if layout is None or not layout.is_current(group):
+                layout = self._layouts[id(group)] = self._build_layout(group)
             decay = group["weight_decay"] * weight_decay_factor(group["step"], group["num_training_steps"])
             if group["kind"] == "muon":
                 self._muon_step(group, layout.parts, decay)
@@ -418,18 +297,50 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _build_layout(self, group: dict) -> _Layout:
+        from torch.distributed.tensor import DTensor
+
+        from . import sharded
+
         params = list(group["params"])
         if group["kind"] == "adamw":
-            return _Layout(group["params"], [_AdamWLists(params, self.state)])
+            return _Layout(group, [_AdamWLists(params, self.state)])
+        recorded = [ref() for ref in self._group_matrices.get(id(group), (None, []))[1]]
+        if None in recorded:  # the originals are gone (FSDP2 sharded them): nothing to map back to
+            recorded = []
+        if len(params) == 1 and params[0].ndim == 1 and recorded and all(params[0] is not m for m in recorded):
+            return _Layout(group, [sharded.ZeroShardedGroup(params[0], recorded, self.state, group["name"])])
+        for param in params:
+            sharded.check_muon_parameter(param, group["name"])
+        if any(isinstance(param, DTensor) for param in params):
+            return _Layout(group, [sharded.FSDP2ShardedGroup(params, self.state, group["name"])])
+        if any(hasattr(param, "ds_id") for param in params):
+            raise RuntimeError(
+                f"MuonAdamW: the {group['name']!r} group holds DeepSpeed ZeRO-3 parameters themselves (empty "
+                "partitioned tensors), not the flat partitions DeepSpeed's ZeRO optimizer steps: Muon cannot update "
+                "them. Let DeepSpeed wrap MuonAdamW (deepspeed.initialize(optimizer=...), or the Trainer)."
+            )
         by_shape: dict[tuple, list[torch.Tensor]] = {}
         for param in params:
-            _check_whole_matrix(param, group["name"])
             by_shape.setdefault((tuple(param.shape), param.dtype, param.device), []).append(param)
         stacks = []
         for (_, _, device), members in by_shape.items():
             compiled = self.compile_update if self.compile_update is not None else device.type == "cuda"
             stacks.append(_MuonStack(members, self.state, group["orthogonalize_dtype"], compiled))
-        return _Layout(group["params"], stacks)
+        return _Layout(group, stacks)
+
+    def muon_state_bytes(self) -> int:
+        """Bytes of Muon state (momentum, NorMuon second moments) that this process holds: its shards under ZeRO and
+        FSDP2, all of it under DDP. Counts what exists (the state is laid out at the first step)."""
+        from torch.distributed.tensor import DTensor
+
+        storages = {}
+        for param_state in self.state.values():
+            for key in ("momentum_buffer", "second_moment"):
+                if key in param_state:
+                    value = param_state[key]
+                    storage = (value.to_local() if isinstance(value, DTensor) else value).untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
     def _muon_step(self, group: dict, stacks: list[_MuonStack], weight_decay: float) -> None:
         scheduled = {
@@ -448,6 +359,10 @@ class MuonAdamW(torch.optim.Optimizer):
             "eps": group["eps"],
         }
         for stack in stacks:
+            if not isinstance(stack, _MuonStack):  # a sharded group (ZeRO partition or FSDP2 shards), always eager
+                dtype = _orthogonalize_dtype(group["orthogonalize_dtype"], stack.device)
+                stack.step(**scheduled, **constants, dtype=dtype)
+                continue
             grads = [param.grad for param in stack.params]
             if all(grad is not None for grad in grads):
                 params = torch.stack(stack.params)
@@ -548,23 +463,3 @@ def _orthogonalize_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     return _DTYPES[name]
-
-
-def _check_whole_matrix(param: torch.Tensor, group_name: str) -> None:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        raise RuntimeError(
-            f"MuonAdamW: a parameter of group {group_name!r} is a DTensor shard {tuple(param.shape)} "
-            f"(placements {param.placements}): FSDP2 shards matrices, and orthogonalising a shard is not "
-            "orthogonalising the matrix. Train with DDP (accelerate_configs/multi_gpu.yaml, on CPU "
-            "multi_cpu_ddp.yaml) or use AdamW under FSDP2 (--optimizer adamw / optim='adamw_torch')."
-        )
-    if hasattr(param, "ds_id") or param.ndim != 2:
-        raise RuntimeError(
-            f"MuonAdamW: a parameter of group {group_name!r} has shape {tuple(param.shape)}"
-            f"{' and a DeepSpeed ds_id' if hasattr(param, 'ds_id') else ''}; Muon needs whole 2-D matrices. "
-            "DeepSpeed ZeRO hands the client optimizer flattened partitions: train with DDP "
-            "(accelerate_configs/multi_gpu.yaml, on CPU multi_cpu_ddp.yaml) or use AdamW under ZeRO "
-            "(--optimizer adamw / optim='adamw_torch')."
-        )

@@ -157,10 +157,10 @@ class L3GPTTrainer(Trainer):
             raise ValueError("a streamed train_dataset resumes from the state saved in the checkpoint: set "
                              "ignore_data_skip=True (PretrainConfig's default); skipping batches would re-read it")
         if self.args.optimizer == "muon":
-            from hfl3.optim import refuse_sharded_training
+            from hfl3.optim import refuse_unsupported_sharding
 
             # Here, not only in create_optimizer: a DeepSpeed config with its own optimizer section skips that.
-            refuse_sharded_training(self.args)
+            refuse_unsupported_sharding(self.args)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`; with a streamed `train_dataset`, first the stream's progress: loaded from the checkpoint
