@@ -22,7 +22,7 @@ from trl import ModelConfig, SFTConfig, SFTTrainer
 
 import hfl3  # noqa: F401  (registers L3GPT with the Auto classes)
 from hfl3.data.chat import SFTData, load_sft_data, stdlib_docstring_chats, write_chat_jsonl
-from hfl3.models.l3gpt.linear_cross_entropy import linear_cross_entropy
+from hfl3.models.l3gpt.linear_cross_entropy import linear_cross_entropy, register_zero3_owner
 from hfl3.provenance import add_safetensors_metadata, sha256_records, write_json_atomic, write_model_card
 
 logger = logging.getLogger(__name__)
@@ -142,14 +142,16 @@ LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", 
 apply them, so a model that sets one keeps TRL's loss."""
 
 
-def add_supervised_nll(model) -> None:
+def add_supervised_nll(model, owner: torch.nn.Module | None = None) -> None:
     """Patch `model.forward` (as TRL's `add_fused_lm_head` does, and on top of it) so that
     `model(..., labels=labels, supervised_nll=True)` returns a `SupervisedNLL` instead of logits: the backbone
     (`model.base_model`) runs, the hidden states at the K positions whose next-token label is not -100 are kept, and
     `linear_cross_entropy` (chunked) scores them against `get_output_embeddings().weight` with the text config's
     `final_logit_softcapping` — no `(batch, seq, vocab)` logits, and none at unsupervised positions. Without
     `supervised_nll` the forward is the previous one. Patch the model before PEFT wraps it or its base model after:
-    the call must go through the wrappers (DDP, PEFT) so that their hooks run."""
+    the call must go through the wrappers (DDP, PEFT) so that their hooks run. `owner` is the outermost model (the
+    PEFT model) whose forward runs this one: under ZeRO-3 the output embedding is gathered for its forward (PEFT
+    calls the base model's `forward` directly, so the base model's own ZeRO hooks do not run)."""
     previous_forward = model.forward
     softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
 
@@ -157,6 +159,8 @@ def add_supervised_nll(model) -> None:
     def forward(self, *args, supervised_nll=False, **kwargs):
         if not supervised_nll:
             return previous_forward(*args, **kwargs)
+        weight = self.get_output_embeddings().weight
+        register_zero3_owner(owner if owner is not None else self, weight)
         labels = kwargs.pop("labels")
         kwargs.pop("num_items_in_batch", None)
         kwargs["use_cache"] = False
@@ -164,7 +168,7 @@ def add_supervised_nll(model) -> None:
         targets = labels[:, 1:].to(hidden.device)  # (B, T-1)
         supervised = targets != -100
         nll_sum, predictions = linear_cross_entropy(
-            hidden[supervised], self.get_output_embeddings().weight, targets[supervised], softcap,
+            hidden[supervised], weight, targets[supervised], softcap,
             return_predictions=True, backend="chunked",
         )  # (), (K,)
         return SupervisedNLL(nll_sum=nll_sum, predictions=predictions, targets=targets[supervised])
@@ -208,7 +212,7 @@ class HFL3SFTTrainer(SFTTrainer):
         self._eval_nll_sum = self._eval_token_count = None
         self.compact_loss = self._compact_loss_applies()
         if self.compact_loss:
-            add_supervised_nll(self._base_model())
+            add_supervised_nll(self._base_model(), owner=self.model)
 
     def _base_model(self):
         model = self.accelerator.unwrap_model(self.model)

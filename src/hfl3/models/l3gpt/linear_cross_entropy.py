@@ -93,17 +93,27 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
+def register_zero3_owner(owner: torch.nn.Module, weight: torch.Tensor) -> None:
+    """Under DeepSpeed ZeRO-3, register `weight` (the output embedding, read here without calling `lm_head`) as an
+    external parameter of `owner`, the module whose forward runs the loss (DeepSpeed's `register_external_parameter`):
+    from owner's next forward on, ZeRO-3 gathers the weight for owner's whole forward, waiting for a prefetch in
+    flight. Call it in every forward, evaluation included: a gather of our own while ZeRO prefetches the weight (it
+    does after an evaluation called `lm_head`) fails with "Cannot partition a param in flight". A no-op otherwise."""
+    if getattr(weight, "ds_id", None) is not None:
+        zero = importlib.import_module("deepspeed.runtime.zero.partition_parameters")
+        zero.register_external_parameter(owner, weight)
+
+
 def gathered_weight(weight: torch.Tensor):
-    """Context in which a DeepSpeed ZeRO-3 partitioned `weight` is whole: ZeRO-3 gathers a parameter only inside its
-    own module's forward, and these losses read `lm_head.weight` without calling `lm_head` (TRL's
-    `maybe_gather_lm_head_ctx` does the same). A null context for any other tensor. The weight gradient is computed
-    inside the forward pass, so the backward needs no second gather."""
+    """Context in which a DeepSpeed ZeRO-3 partitioned `weight` is whole (`GatheredParameters`) when ZeRO-3 has not
+    gathered it already (the first forward after `register_zero3_owner`); a null context for any other tensor. The
+    weight gradient is computed inside the forward pass, so the backward needs no gather."""
     if getattr(weight, "ds_id", None) is None:
         return contextlib.nullcontext()
     zero = importlib.import_module("deepspeed.runtime.zero.partition_parameters")
     if weight.ds_status == zero.ZeroParamStatus.AVAILABLE:
         return contextlib.nullcontext()
-    return importlib.import_module("deepspeed").zero.GatheredParameters([weight])
+    return zero.GatheredParameters([weight])
 
 
 def liger_applies(hidden: torch.Tensor) -> bool:
@@ -128,7 +138,8 @@ def linear_cross_entropy(
     Args:
         hidden (`torch.Tensor` of shape `(rows, hidden_size)`): final hidden states.
         weight (`torch.Tensor` of shape `(vocab_size, hidden_size)`): the output embedding (lm_head) weight; a
-            ZeRO-3 partitioned one is gathered for the call (`gathered_weight`).
+            ZeRO-3 partitioned one is gathered for the call if ZeRO has not (`gathered_weight`; see
+            `register_zero3_owner`).
         targets (`torch.LongTensor` of shape `(rows,)`): next-token ids.
         softcap (`float`, *optional*): logits become `softcap * tanh(logits / softcap)` in float32 (Gemma 2,
             nanochat); None for none.

@@ -24,7 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .allocation import bounds_from_counts, uniform_allocation
 from .configuration_l3gpt import L3GPTConfig
-from .linear_cross_entropy import causal_lm_loss
+from .linear_cross_entropy import causal_lm_loss, register_zero3_owner
 
 
 class L3GPTRMSNorm(nn.Module):
@@ -532,6 +532,7 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
             `(batch_size, kept_len, vocab_size)` in float32, or None in training mode with `labels` unless
             `return_logits`.
         """
+        register_zero3_owner(self, self.lm_head.weight)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
