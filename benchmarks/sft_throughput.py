@@ -11,13 +11,16 @@ Rows (each in a fresh process, so peak memory is its own):
   bf16 on, no packing, loss on every token: TRL cannot mask the stock Qwen3 template) and `LoraConfig` q/v r=16;
   on a CPU `use_cpu=True` is added, without which the default bf16 refuses to start.
 - `trl_matched`: the same with the recipe's CPU precision and checkpointing (fp32, no activation checkpointing).
-- `hfl3`: `build_sft_trainer` from `recipes/configs/sft_gsm8k.yaml` (assistant-only masks, compact loss off GPU).
+- `hfl3`: `build_sft_trainer` from `recipes/configs/sft_gsm8k.yaml` (assistant-only masks; off GPU the loss is a
+  chunked linear + cross-entropy over the supervised positions, `add_supervised_nll`).
 - `hfl3_packed`: the same with `--packing` (TRL's best-fit decreasing, padding-free).
 
 Measured over the steps after `--timing_warmup`: `tokens/s` counts non-padding tokens through the model (TRL's
 `num_tokens`, the same counter in both trainers), `supervised/s` the tokens that carry loss; peak memory is the
 process's max RSS on CPU, `torch.cuda.max_memory_allocated` on a GPU. Ratios are against `trl_default`. On a
-shared machine use `--repeats 2` or more: the rows then run in turn and each keeps its fastest run.
+shared machine use `--repeats 2` or more: the rows then run in turn and each keeps its fastest run. There, also
+compare `tokens/CPU s` (non-padding tokens per second of the process's CPU time) under `OMP_NUM_THREADS=1`: with one
+thread it hardly moves with the other jobs' load, where wall-clock tokens/s moved 3× between two identical runs.
 """
 
 from __future__ import annotations
@@ -54,17 +57,18 @@ def save_tiny_qwen3(folder: Path, hidden: int, layers: int) -> Path:
 
 
 class Timer:
-    """TrainerCallback recording (time, non-padding tokens so far) at the end of every optimizer step."""
+    """TrainerCallback recording (wall time, process CPU time, non-padding tokens so far) at the end of every
+    optimizer step."""
 
     def __init__(self, trainer_ref):
         from transformers import TrainerCallback
 
-        self.marks: list[tuple[float, int]] = []
+        self.marks: list[tuple[float, float, int]] = []
         timer = self
 
         class _Callback(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
-                timer.marks.append((time.perf_counter(), trainer_ref()._total_train_tokens))
+                timer.marks.append((time.perf_counter(), time.process_time(), trainer_ref()._total_train_tokens))
 
         self.callback = _Callback()
 
@@ -127,13 +131,14 @@ def worker(row: str, args) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    (t0, n0), (t1, n1) = timer.marks[args.timing_warmup - 1], timer.marks[-1]
+    (t0, c0, n0), (t1, c1, n1) = timer.marks[args.timing_warmup - 1], timer.marks[-1]
     fraction = supervised_fraction(trainer.train_dataset)
     peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {
         "row": row, "timed_steps": len(timer.marks) - args.timing_warmup, "seconds": t1 - t0,
         "tokens_per_s": (n1 - n0) / (t1 - t0), "supervised_per_s": fraction * (n1 - n0) / (t1 - t0),
+        "tokens_per_cpu_s": (n1 - n0) / (c1 - c0),
         "s_per_step": (t1 - t0) / (len(timer.marks) - args.timing_warmup), "peak_mib": peak / 2**20,
         "train_rows": len(trainer.train_dataset), "supervised_fraction": fraction,
         "device": "cuda" if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()} threads",
@@ -190,16 +195,21 @@ def main() -> None:
     reference = next((r for r in results if r["row"] == "trl_default"), results[0])
     print(f"\n{args.n_train} GSM8K chats, batch {args.batch_size}, max_length {args.max_length}, "
           f"{args.max_steps} steps ({args.timing_warmup} warm-up), {results[0]['device']}")
-    header = f"{'row':<12} {'tokens/s':>9} {'ratio':>6} {'supervised/s':>12} {'ratio':>6} {'s/step':>7} {'peak MiB':>9}"
+    header = (f"{'row':<12} {'tokens/s':>9} {'ratio':>6} {'supervised/s':>12} {'ratio':>6} {'tokens/CPU s':>12} "
+              f"{'ratio':>6} {'s/step':>7} {'peak MiB':>9} {'ratio':>6}")
     print(header + "\n" + "-" * len(header))
     for r in results:
         print(f"{r['row']:<12} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / reference['tokens_per_s']:>6.2f} "
               f"{r['supervised_per_s']:>12.0f} {r['supervised_per_s'] / reference['supervised_per_s']:>6.2f} "
-              f"{r['s_per_step']:>7.2f} {r['peak_mib']:>9.0f}")
+              f"{r['tokens_per_cpu_s']:>12.0f} {r['tokens_per_cpu_s'] / reference['tokens_per_cpu_s']:>6.2f} "
+              f"{r['s_per_step']:>7.2f} {r['peak_mib']:>9.0f} {r['peak_mib'] / reference['peak_mib']:>6.2f}")
     if args.json:
         from hfl3.provenance import package_versions, write_json_atomic
 
-        write_json_atomic(args.json, {"args": vars(args), "versions": package_versions(), "results": results})
+        # Paths relative to the repository: no absolute local path in a committed result
+        recorded = {key: os.path.relpath(value, REPO) if isinstance(value, str) and os.path.isabs(value) else value
+                    for key, value in vars(args).items()}
+        write_json_atomic(args.json, {"args": recorded, "versions": package_versions(), "results": results})
 
 
 if __name__ == "__main__":

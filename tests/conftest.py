@@ -64,3 +64,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def largest_tensor():
+    """`with largest_tensor() as largest: ...` records `largest.numel`, the element count of the largest tensor any
+    operator produced inside the block (forward and backward), through a `TorchDispatchMode`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class LargestTensor(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            sizes = [leaf.numel() for leaf in tree_leaves(out) if hasattr(leaf, "numel")]
+            self.numel = max([self.numel, *sizes])
+            return out
+
+    return LargestTensor

@@ -107,7 +107,8 @@ def test_fresh_l3_layer_is_a_noop():
 
 
 def test_loss_is_shifted_and_honours_num_items_in_batch():
-    model = skewed_model(tiny_config())
+    # eval mode: the logits path (training mode's chunked loss is checked against it in test_loss.py)
+    model = skewed_model(tiny_config()).eval()
     ids = torch.randint(0, VOCAB, (2, 12))
     labels = ids.clone()
     labels[0, :5] = -100

@@ -15,11 +15,19 @@ from datasets import Dataset
 from peft import PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
 from hfl3.data.sft import load_sft_data
+from hfl3.models.l3gpt.linear_cross_entropy import CHUNK_BYTES
 from hfl3.provenance import sha256_file, sha256_records
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.sft import (
@@ -188,6 +196,17 @@ def tiny_qwen3(tokenizer):
     return Qwen3ForCausalLM(config)
 
 
+def tiny_gemma3(tokenizer):
+    """Gemma 3 text model with a logit softcap small enough to bite (the stock config has none)."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, sliding_window=16,
+        final_logit_softcapping=0.5, pad_token_id=tokenizer.pad_token_id,
+    )
+    return Gemma3ForCausalLM(config)
+
+
 def tiny_l3gpt(tokenizer):
     torch.manual_seed(0)
     config = L3GPTConfig.from_depth(
@@ -200,6 +219,7 @@ def tiny_l3gpt(tokenizer):
 @pytest.fixture(scope="module")
 def tokenizers(assets, l3gpt_folder):
     return {"qwen3": AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3"),
+            "gemma3": AutoTokenizer.from_pretrained(assets / "tokenizers" / "gemma3"),
             "l3gpt": AutoTokenizer.from_pretrained(l3gpt_folder)}
 
 
@@ -213,25 +233,32 @@ def make_trainer(tmp_path, tokenizer, build, packing=False):
                           processing_class=tokenizer, peft_config=lora_config(model_args)), data
 
 
-@pytest.mark.parametrize("name, build", [("qwen3", tiny_qwen3), ("l3gpt", tiny_l3gpt)])
+@pytest.mark.parametrize("name, build", [("qwen3", tiny_qwen3), ("gemma3", tiny_gemma3), ("l3gpt", tiny_l3gpt)])
 @pytest.mark.parametrize("packing", [False, True])
-def test_compact_loss_equals_trl_loss_and_gradients(tmp_path, tokenizers, name, build, packing):
+def test_compact_loss_equals_trl_loss_and_gradients(tmp_path, tokenizers, largest_tensor, name, build, packing):
     trainer, _ = make_trainer(tmp_path, tokenizers[name], build, packing)
     assert trainer.compact_loss
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     assert ("attention_mask" in batch) != packing
     model = trainer.model
+    with torch.no_grad():  # the plain path: full logits, softcap, transformers' loss_function
+        plain = model.eval()(**batch, num_items_in_batch=torch.tensor(37)).loss
     model.train()
     results = []
     for compact in (True, False):
         trainer.compact_loss = compact
         model.zero_grad()
-        loss = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(37))
-        loss.backward()
+        with largest_tensor() as largest:
+            loss = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(37))
+            loss.backward()
         grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
-        results.append((loss.detach(), grads))
-    (ours, our_grads), (trl, trl_grads) = results
+        results.append((loss.detach(), grads, largest.numel))
+    (ours, our_grads, our_largest), (trl, trl_grads, _) = results
     torch.testing.assert_close(ours, trl, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-6)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    # One chunk of float32 logits at most (or the embedding matrix), never (batch, supervised columns, vocab)
+    assert our_largest <= max(CHUNK_BYTES // 4, vocab * model.config.hidden_size)
     assert our_grads.keys() == trl_grads.keys()
     for key in our_grads:
         torch.testing.assert_close(our_grads[key], trl_grads[key], rtol=1e-4, atol=1e-7)

@@ -6,23 +6,25 @@ same trainer through `build_sft_trainer`.
 
 from __future__ import annotations
 
-import inspect
+import functools
 import json
 import logging
 import math
 import os
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, EarlyStoppingCallback, GgufConfig
+from transformers.utils import ModelOutput
 from trl import ModelConfig, SFTConfig, SFTTrainer
 
 import hfl3  # noqa: F401  (registers L3GPT with the Auto classes)
 from hfl3.data.chat import write_chat_jsonl
 from hfl3.data.sft import SFTData, load_sft_data
 from hfl3.data.stdlib import stdlib_docstring_chats
+from hfl3.models.l3gpt.linear_cross_entropy import linear_cross_entropy, register_zero3_owner
 from hfl3.provenance import add_safetensors_metadata, sha256_records, write_json_atomic, write_model_card
 
 logger = logging.getLogger(__name__)
@@ -124,15 +126,70 @@ class SFTLoRAConfig(SFTConfig):
         super().__post_init__()
 
 
+@dataclass
+class SupervisedNLL(ModelOutput):
+    """Output of a model patched by `add_supervised_nll` and called with `supervised_nll=True`.
+
+    Args:
+        nll_sum (`torch.FloatTensor`, scalar): summed next-token NLL (nats) over the K supervised positions.
+        predictions (`torch.LongTensor` of shape `(K,)`): argmax token at each supervised position.
+        targets (`torch.LongTensor` of shape `(K,)`): the supervised next tokens.
+    """
+
+    nll_sum: torch.Tensor | None = None
+    predictions: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+
+
+LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+"""Config fields that rescale a model's logits (TRL's `add_fused_lm_head` reads them); `add_supervised_nll` does not
+apply them, so a model that sets one keeps TRL's loss."""
+
+
+def add_supervised_nll(model, owner: torch.nn.Module | None = None) -> None:
+    """Patch `model.forward` (as TRL's `add_fused_lm_head` does, and on top of it) so that
+    `model(..., labels=labels, supervised_nll=True)` returns a `SupervisedNLL` instead of logits: the backbone
+    (`model.base_model`) runs, the hidden states at the K positions whose next-token label is not -100 are kept, and
+    `linear_cross_entropy` (chunked) scores them against `get_output_embeddings().weight` with the text config's
+    `final_logit_softcapping` — no `(batch, seq, vocab)` logits, and none at unsupervised positions. Without
+    `supervised_nll` the forward is the previous one. Patch the model before PEFT wraps it or its base model after:
+    the call must go through the wrappers (DDP, PEFT) so that their hooks run. `owner` is the outermost model (the
+    PEFT model) whose forward runs this one: under ZeRO-3 the output embedding is gathered for its forward (PEFT
+    calls the base model's `forward` directly, so the base model's own ZeRO hooks do not run)."""
+    previous_forward = model.forward
+    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, supervised_nll=False, **kwargs):
+        if not supervised_nll:
+            return previous_forward(*args, **kwargs)
+        weight = self.get_output_embeddings().weight
+        register_zero3_owner(owner if owner is not None else self, weight)
+        labels = kwargs.pop("labels")
+        kwargs.pop("num_items_in_batch", None)
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*args, **kwargs).last_hidden_state[:, :-1]  # (B, T-1, C)
+        targets = labels[:, 1:].to(hidden.device)  # (B, T-1)
+        supervised = targets != -100
+        nll_sum, predictions = linear_cross_entropy(
+            hidden[supervised], weight, targets[supervised], softcap,
+            return_predictions=True, backend="chunked",
+        )  # (), (K,)
+        return SupervisedNLL(nll_sum=nll_sum, predictions=predictions, targets=targets[supervised])
+
+    model.forward = types.MethodType(forward, model)
+
+
 class HFL3SFTTrainer(SFTTrainer):
     """TRL's `SFTTrainer` for pre-tokenized, pre-masked rows, with provenance on every save.
 
     Differences from `SFTTrainer`:
     - every dataset must carry `labels` (-100 off the loss): hfl3 masks and truncates itself (`hfl3.data.masks`),
       so a dataset without them would silently train on every token and is refused;
-    - off CUDA/XPU (CPU, MPS) the loss is computed from logits at the supervised positions only (`compute_loss`):
-      TRL's fused LM head compacts to those positions only where Triton runs and otherwise scores every position
-      through an eager online-softmax loop; on GPUs TRL's fused, chunked path is kept;
+    - off CUDA/XPU (CPU, MPS) the loss is a chunked linear + cross-entropy over the supervised positions only
+      (`compute_loss`, `add_supervised_nll`): TRL's fused LM head compacts to those positions only where Triton runs
+      and otherwise scores every position through an eager online-softmax loop over 4096 × 32768 tiles (slower, and
+      more memory on CPU); on GPUs TRL's fused, chunked path is kept. Neither builds `(batch, seq, vocab)` logits;
     - `eval_loss` is the token-weighted mean NLL over all supervised tokens of the evaluation set (HF averages the
       per-batch means), and `eval_perplexity = exp(eval_loss)` is added (same for any `metric_key_prefix`);
     - with `provenance` (a `build_metadata` dict), every save (checkpoints and `save_model`) writes `metadata.json`,
@@ -158,14 +215,26 @@ class HFL3SFTTrainer(SFTTrainer):
         self.provenance = provenance
         self._eval_nll_sum = self._eval_token_count = None
         self.compact_loss = self._compact_loss_applies()
+        if self.compact_loss:
+            add_supervised_nll(self._base_model(), owner=self.model)
+
+    def _base_model(self):
+        model = self.accelerator.unwrap_model(self.model)
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
 
     def _compact_loss_applies(self) -> bool:
-        model = self.accelerator.unwrap_model(self.model)
-        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        """Off CUDA/XPU, for a plain NLL loss of a text model whose logits are `softcap(hidden @ lm_head.weightᵀ)`
+        (no bias, no logit scaling), without sequence or context parallelism."""
+        model = self._base_model()
+        text_config = model.config.get_text_config()
+        head = model.get_output_embeddings()
         parallel = self.accelerator.parallelism_config
         return (
             self.args.device.type not in ("cuda", "xpu")
-            and "logits_to_keep" in inspect.signature(model.forward).parameters
+            and text_config is model.config
+            and isinstance(head, torch.nn.Linear)
+            and head.bias is None
+            and all(getattr(text_config, name, None) is None for name in LOGIT_SCALE_FIELDS)
             and self.args.loss_type == "nll"
             and self.compute_loss_func is None
             and self.label_smoother is None
@@ -175,21 +244,15 @@ class HFL3SFTTrainer(SFTTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Mean next-token NLL over the supervised tokens (divided by `num_items_in_batch` when given, so gradient
-        accumulation is exact), with logits computed only at the positions whose next token is supervised in some
-        row of the batch (`logits_to_keep`, through the model's own forward: its softcap and scaling apply).
-        Delegates to `SFTTrainer.compute_loss` when `self.compact_loss` is False or outputs are requested."""
+        accumulation is exact), scored only at the supervised positions by `add_supervised_nll`'s chunked linear +
+        cross-entropy (the model's `final_logit_softcapping` applies). Delegates to `SFTTrainer.compute_loss` when
+        `self.compact_loss` is False or outputs are requested."""
         if not self.compact_loss or return_outputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         mode = "train" if self.model.training else "eval"
-        targets = inputs["labels"][:, 1:]  # (B, T-1): the token each position predicts
-        keep = (targets != -100).any(dim=0).nonzero().squeeze(-1)  # (K,)
-        model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        logits = model(**model_inputs, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
-        targets = targets[:, keep]  # (B, K)
-        valid = targets != -100
-        nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
-        count = valid.sum()
-        loss = nll_sum / (count.clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        outputs = model(**inputs, supervised_nll=True)
+        count = (inputs["labels"][:, 1:] != -100).sum()
+        loss = outputs.nll_sum / (count.clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # Like Trainer.compute_loss: num_items_in_batch counts every rank's tokens and DDP averages the gradients
             loss = loss * self.accelerator.num_processes
@@ -197,7 +260,7 @@ class HFL3SFTTrainer(SFTTrainer):
         # latter cuts what it gathers to the dataset's remainder of samples, which is meaningless for sums (and broke
         # on the [correct, count] pair when the remainder was 1)
         with torch.no_grad():
-            correct = ((logits.argmax(dim=-1) == targets) & valid).sum()
+            correct = (outputs.predictions == outputs.targets).sum()
             correct, count_all = self.accelerator.gather(torch.stack([correct, count])).view(-1, 2).sum(0)
             self._metrics[mode]["mean_token_accuracy"].append((correct / count_all.clamp(min=1)).item())
         if mode == "train":

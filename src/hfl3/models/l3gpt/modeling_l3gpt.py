@@ -24,6 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .allocation import bounds_from_counts, uniform_allocation
 from .configuration_l3gpt import L3GPTConfig
+from .linear_cross_entropy import causal_lm_loss, register_zero3_owner
 
 
 class L3GPTRMSNorm(nn.Module):
@@ -493,8 +494,13 @@ class L3GPTModel(L3GPTPreTrainedModel):
 
 class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
     """L3GPT with an untied output head and a logit softcap `c·tanh(logits/c)` (float32, c =
-    `config.final_logit_softcapping`). Loss: transformers' `self.loss_function` on unshifted `labels` (the shift is
-    inside; -100 ignored), exact under gradient accumulation when the Trainer passes `num_items_in_batch`."""
+    `config.final_logit_softcapping`). Loss: transformers' `ForCausalLMLoss` semantics on unshifted `labels` (the
+    shift is inside; -100 ignored), exact under gradient accumulation when the Trainer passes `num_items_in_batch`.
+
+    In training mode with `labels`, the loss is computed by `linear_cross_entropy.causal_lm_loss` (Liger's fused
+    linear cross-entropy on CUDA when installed, a chunked PyTorch function elsewhere) and no `(batch, seq, vocab)`
+    float32 logits are built: `logits` is then None unless `return_logits=True`. In eval mode, or without labels,
+    the logits are returned and the loss is `self.loss_function` of them."""
 
     _tied_weights_keys = {}
 
@@ -519,6 +525,7 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        return_logits: bool = False,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """
@@ -526,13 +533,17 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
             labels (`torch.LongTensor` of shape `(batch_size, seq_len)`, *optional*): targets aligned with
                 `input_ids` (unshifted); -100 is ignored.
             logits_to_keep (`int` or `torch.Tensor`): compute logits only for the last N positions (0 = all).
+            return_logits: in training mode with `labels`, also build the logits and take the loss from them (the
+                memory-heavy path of eval mode) instead of the fused/chunked loss.
             num_items_in_batch (in `kwargs`): count of target tokens across gradient-accumulation steps.
             Other arguments: see [`L3GPTModel.forward`].
 
         Returns:
-            `CausalLMOutputWithPast`: `logits` `(batch_size, kept_len, vocab_size)` in float32, `loss` (nats per
-            target token) when `labels` is given.
+            `CausalLMOutputWithPast`: `loss` (nats per target token) when `labels` is given; `logits`
+            `(batch_size, kept_len, vocab_size)` in float32, or None in training mode with `labels` unless
+            `return_logits`.
         """
+        register_zero3_owner(self, self.lm_head.weight)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -542,10 +553,13 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :]).float()  # (B, T, V)
+        hidden_states = outputs.last_hidden_state[:, keep, :]  # (B, T, C)
         cap = self.config.final_logit_softcapping
+        if labels is not None and self.training and not return_logits:
+            loss = causal_lm_loss(hidden_states, self.lm_head.weight, labels, softcap=cap, **kwargs)
+            return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values)
+        logits = self.lm_head(hidden_states).float()  # (B, T, V)
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         loss = None
