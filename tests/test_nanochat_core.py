@@ -173,7 +173,8 @@ def test_flops_count_every_linear_weight_like_nanochat():
     )  # fmt: skip
     model = L3GPTForCausalLM(config)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    attended = sum(min(config.sliding_window, 256) if kind == "sliding_attention" else 256 for kind in config.layer_types)
+    attended = sum(min(config.sliding_window, 256) if kind == "sliding_attention" else 256
+                   for kind in config.layer_types)  # fmt: skip
     expected = 6 * linear + 12 * config.num_attention_heads * config.head_dim * attended
     assert flops_per_token(config, 256) == expected
     assert len(model.model.value_embeddings) == 2 and model.model.smear is not None  # the guard: the gates exist

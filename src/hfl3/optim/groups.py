@@ -44,16 +44,16 @@ def param_groups_by_kind(
 ) -> list[dict]:
     """Split the trainable parameters of `model` into MuonAdamW groups by module type and shape.
 
-    | group name        | kind  | what                                                        | lr                 |
-    |-------------------|-------|-------------------------------------------------------------|--------------------|
-    | `matrix`          | muon  | 2-D weights of every `nn.Linear` except the output head     | `matrix_lr`        |
-    | `embedding`       | adamw | `get_input_embeddings()` and any other `nn.Embedding`       | `embedding_lr · s` |
-    | `l3_table`        | adamw | the `nn.Embedding`s inside an L3 `LargeLookupLayer`         | `l3_table_lr · s`  |
-    | `value_embedding` | adamw | the `nn.Embedding`s inside L3GPT's `L3GPTValueEmbeddings`   | `value_embedding_lr · s` |
-    | `unembedding`     | adamw | `get_output_embeddings()` (when tied: the shared weight)    | `unembedding_lr · s` |
-    | `scalar`          | adamw | 0-/1-D parameters: norm gains, biases, `x0_lambdas`         | `scalar_lr`        |
-    | `residual_scalar` | adamw | a module's `resid_lambdas` (L3GPT, nanochat)                | `scalar_lr · 0.01` |
-    | `smear`           | adamw | parameters of L3GPT's `L3GPTSmear` (gate and `smear_lambda`) and a module's `backout_lambda` | `smear_lr` |
+    | group name        | kind  | what                                                       | lr                       |
+    |-------------------|-------|------------------------------------------------------------|--------------------------|
+    | `matrix`          | muon  | 2-D weights of every `nn.Linear` except the output head    | `matrix_lr`              |
+    | `embedding`       | adamw | `get_input_embeddings()` and any other `nn.Embedding`      | `embedding_lr · s`       |
+    | `l3_table`        | adamw | the `nn.Embedding`s inside an L3 `LargeLookupLayer`        | `l3_table_lr · s`        |
+    | `value_embedding` | adamw | the `nn.Embedding`s inside L3GPT's `L3GPTValueEmbeddings`  | `value_embedding_lr · s` |
+    | `unembedding`     | adamw | `get_output_embeddings()` (when tied: the shared weight)   | `unembedding_lr · s`     |
+    | `scalar`          | adamw | 0-/1-D parameters: norm gains, biases, `x0_lambdas`        | `scalar_lr`              |
+    | `residual_scalar` | adamw | a module's `resid_lambdas` (L3GPT, nanochat)               | `scalar_lr · 0.01`       |
+    | `smear`           | adamw | `L3GPTSmear` (gate, `smear_lambda`) and `backout_lambda`   | `smear_lr`               |
 
     `s = (hidden_size / 768) ** -0.5` (nanochat scales its AdamW LRs so, having tuned them at 768).
     The L3 tables default to `embedding_lr`: they are embedding rows gathered by token id, updated

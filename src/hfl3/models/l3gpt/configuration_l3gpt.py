@@ -55,7 +55,10 @@ class L3GPTConfig(PreTrainedConfig):
             (the normed residual), `W_g` a `(num_key_value_heads, g)` gate giving one factor per key/value head in
             (0, 3), g = `value_embedding_gate_channels`. Init: tables uniform with std 1/√C (as v_proj), `W_g`
             uniform in [0, 0.02]. `None` means nanochat's `has_ve`: every other layer, ending with the last
-            (`i % 2 == (num_hidden_layers - 1) % 2`); `[]` turns value embeddings off.
+            (`i % 2 == (num_hidden_layers - 1) % 2`); `[]` turns value embeddings off. The tables are plain
+            `nn.Embedding`s read one row per token (no L3-style pair memory rules needed), lookups that
+            `flops_per_token` excludes, but large: at d12, 6 × 32768 × 768 = 151 M parameters, more than the dense
+            model's matrices.
         value_embedding_gate_channels (`int`, defaults to 12): g above, the leading channels of h the gate reads.
         use_smear_gate (`bool`, defaults to `True`): "smear" (nanochat a825e63): after the embedding norm, each token
             mixes in the previous token's normed embedding, `x_t ← x_t + λ·σ(w · x_t[:s])·x_{t-1}` with `w` a
@@ -63,7 +66,9 @@ class L3GPTConfig(PreTrainedConfig):
             init 0, so a fresh model does not smear) and s = `smear_gate_channels`. Not applied at a position whose
             `position_ids` is 0 (sequence start, left padding, each packed document's first token), so packed
             documents stay independent as with hfl3's block-causal attention; nanochat, which packs without
-            position ids, smears across document boundaries. The result is also the x0 of `x0_lambdas`.
+            position ids, smears across document boundaries. The result is also the x0 of `x0_lambdas`. Cached
+            decoding keeps the previous token's embedding in the `DynamicCache` (one extra layer, `hidden_size` values
+            per token).
         smear_gate_channels (`int`, defaults to 24): s above.
         use_backout (`bool`, defaults to `True`): "backout" (nanochat a825e63): before the final norm subtract
             `backout_lambda` (learned scalar, init 0.2) times the residual stream after layer

@@ -2,8 +2,9 @@
 ("L³: Large Lookup Layers", Tseng & De Sa, arXiv 2601.21461).
 
 Self-contained (relative imports only) so that the folder can be shipped as Hub remote code. File order follows
-transformers' modeling files: norm → attention (rotary embeddings and eager attention in `attention_utils.py`) → MLP → value embeddings and
-smear → LargeLookupLayer → decoder layer → PreTrainedModel → base model → causal LM.
+transformers' modeling files: norm → attention → MLP → value embeddings and smear → LargeLookupLayer → decoder
+layer → PreTrainedModel → base model → causal LM; the rotary embeddings and the eager attention are in
+`attention_utils.py`.
 """
 
 import math
@@ -21,8 +22,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .allocation import bounds_from_counts, uniform_allocation
-from .configuration_l3gpt import L3GPTConfig
 from .attention_utils import L3GPTRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
+from .configuration_l3gpt import L3GPTConfig
 
 
 class L3GPTRMSNorm(nn.Module):
@@ -51,6 +52,8 @@ def uniform_bound(config: L3GPTConfig) -> float:
 
 # nanochat 6ed7d1d: value-embedding gates are 3·sigmoid(·), in (0, 3), 1.5 at a zero gate input.
 VALUE_EMBEDDING_GATE_RANGE = 3.0
+# nanochat a825e63 (init fixed in 94b73ad): the backout scalar starts at 0.2.
+BACKOUT_LAMBDA_INIT = 0.2
 
 
 class L3GPTAttention(nn.Module):
@@ -373,10 +376,6 @@ class L3GPTPreTrainedModel(PreTrainedModel):
             init.copy_(module.original_inv_freq, inv_freq)
 
 
-# nanochat a825e63 (init fixed in 94b73ad): the backout scalar starts at 0.2.
-BACKOUT_LAMBDA_INIT = 0.2
-
-
 class L3GPTModel(L3GPTPreTrainedModel):
     """The decoder stack. `x0 = smear(norm(embedding))`; per layer i: `h = resid_lambdas[i]·h + x0_lambdas[i]·x0`, the
     decoder layer (with layer i's value embeddings, if any), then the L3 layer if `i in config.l3_after_layers`;
@@ -460,7 +459,7 @@ class L3GPTModel(L3GPTPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         elif len(self.l3_layers) + len(self.value_embeddings) and input_ids is None:
-            raise ValueError("L3 layers and value embeddings look up rows by token id: pass input_ids, not inputs_embeds")
+            raise ValueError("L3 layers and value embeddings read rows by token id: pass input_ids, not inputs_embeds")
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if use_cache and past_key_values is None:
