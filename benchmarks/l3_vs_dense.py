@@ -1,10 +1,13 @@
-"""Does L3 pay off? A dense L3GPT vs the same with L3 layers vs a dense model widened to the L3 model's FLOPs.
+"""Does L3 pay off? A dense L3GPT vs the same with L3 layers vs a dense model widened to the L3 model's FLOPs; and
+does nanochat master's dense core (value embeddings, smear, backout: issue 17) pay off against the one before?
 
-Three arms, trained through hfl3's product path (`L3GPTTrainer`, `PackedCollator`, `BitsPerByte`) on the Gutenberg
+Four arms, trained through hfl3's product path (`L3GPTTrainer`, `PackedCollator`, `BitsPerByte`) on the Gutenberg
 novels in ../shared/assets/text/gutenberg, validated on one held-out novel, each for every seed, arms interleaved
 (seed 0: a, b, c; seed 1: a, b, c) so that load drift on a shared machine hits all arms alike:
 
-- `dense`      (a) the dense L3GPT from `L3GPTConfig.from_depth(depth, ...)`;
+- `dense_legacy` the dense L3GPT without nanochat master's features (`LEGACY_FIELD_VALUES`: the core before
+  issue 17, what a config.json written before it loads as);
+- `dense`      (a) the dense L3GPT from `L3GPTConfig.from_depth(depth, ...)` (value embeddings, smear, backout on);
 - `l3`         (b) the same with L3 layers after `l3_after_layers` (LZW allocation from the training tokens);
 - `dense_wide` (c) dense, `hidden_size` widened (heads kept, `head_dim = hidden_size / heads`) until its training
   FLOPs/token are the closest to (b)'s.
@@ -26,13 +29,15 @@ Reported: val bpb at equal steps (final), at equal FLOPs (every curve interpolat
 all runs) and at equal wall-clock (at the smallest final training time; also at equal process CPU time, which a
 shared machine disturbs less); tok/s; peak memory, from a separate `memory_steps`-step run per arm in a fresh
 process (CUDA max allocated, or on CPU the growth of peak RSS with glibc's mmap threshold fixed, see `main`);
-parameters split into dense and L3 table.
+parameters split into dense and lookup tables (L3 tables and value embeddings: rows gathered by token id).
 
-    OMP_NUM_THREADS=1 python benchmarks/l3_vs_dense.py --json benchmarks/results/l3_vs_dense_cpu_600steps.json \
-        --plot benchmarks/results/l3_vs_dense_cpu_600steps.png     # ~15-25 min on a shared 2-core CPU
+    OMP_NUM_THREADS=1 python benchmarks/l3_vs_dense.py --max_steps 300 \
+        --json benchmarks/results/l3_vs_dense_cpu_300steps.json \
+        --plot benchmarks/results/l3_vs_dense_cpu_300steps.png     # ~25 min on a shared 2-core CPU
     python benchmarks/l3_vs_dense.py --max_steps 20 --eval_steps 10 --seeds 0   # plumbing check, ~2 min
 """
 
+import copy
 import multiprocessing
 import os
 import statistics
@@ -49,12 +54,14 @@ from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.callbacks import l3_lookup_flops_per_token, flops_per_token
 from hfl3.data import text
 from hfl3.models.l3gpt import lzw_allocation
+from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES
 from hfl3.provenance import write_json_atomic
 from hfl3.tokenization import token_bytes, train_tokenizer
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 
 ASSETS = Path(os.environ.get("HFL3_ASSETS", Path(__file__).resolve().parents[2] / "shared" / "assets"))
-ARMS = ("dense", "l3", "dense_wide")
+ARMS = ("dense_legacy", "dense", "l3", "dense_wide")
+COMPARISONS = (("l3", "dense"), ("l3", "dense_wide"), ("dense", "dense_legacy"))  # (arm, reference) pairs printed
 
 
 @dataclass
@@ -75,7 +82,7 @@ class BenchmarkArguments:
     l3_d_up: int | None = field(default=None, metadata={"help": "L3 up-projection width (default 4 x hidden)"})
     l3_sample_tokens: int = field(default=500_000, metadata={"help": "training tokens LZW-scanned for L3"})
     seeds: list[int] = field(default_factory=lambda: [0, 1], metadata={"help": "init and data-order seeds"})
-    arms: list[str] = field(default_factory=lambda: list(ARMS), metadata={"help": "subset of dense, l3, dense_wide"})
+    arms: list[str] = field(default_factory=lambda: list(ARMS), metadata={"help": f"subset of {', '.join(ARMS)}"})
     max_steps: int = field(default=600, metadata={"help": "optimizer steps per run"})
     batch_size: int = field(default=8, metadata={"help": "rows per step"})
     learning_rate: float = field(default=3e-3, metadata={"help": "AdamW LR (PretrainConfig default)"})
@@ -122,12 +129,17 @@ def prepare_data(args: BenchmarkArguments):
     return tokenizer, packed, sample
 
 
-def make_config(args: BenchmarkArguments, tokenizer, with_l3: bool, hidden_size: int | None = None) -> L3GPTConfig:
-    """Arm a (`with_l3=False`), b (`with_l3=True`), or c (`hidden_size` given: a widened, heads kept)."""
+def make_config(
+    args: BenchmarkArguments, tokenizer, with_l3: bool, hidden_size: int | None = None, legacy: bool = False
+) -> L3GPTConfig:
+    """Arm a (`with_l3=False`), b (`with_l3=True`), c (`hidden_size` given: a widened, heads kept), or `legacy`: a
+    without nanochat master's features."""
     common = dict(
         max_position_embeddings=args.seq_len, window_pattern=args.window_pattern,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
+    if legacy:
+        common.update(copy.deepcopy(LEGACY_FIELD_VALUES))
     if with_l3:
         common.update(l3_after_layers=args.l3_after_layers, l3_n_emb=args.l3_n_emb, l3_k_max=args.l3_k_max,
                       l3_d_up=args.l3_d_up)
@@ -243,14 +255,14 @@ def train_arm(args, arm, config, allocation, fpt, tokenizer, packed, seed, outpu
     if clock.points[-1]["step"] != args.max_steps:
         trainer.evaluate()
     final = clock.points[-1]
-    tables = sum(p.numel() for n, p in trainer.model.named_parameters() if "_table" in n)
+    tables = sum(p.numel() for n, p in trainer.model.named_parameters() if "_table" in n or "value_embeddings." in n)
     result = dict(
         arm=arm, seed=seed, hidden_size=config.hidden_size, flops_per_token=fpt, points=clock.points,
         dense_parameters=trainer.model.num_parameters() - tables, table_parameters=tables,
         tok_per_sec=args.max_steps * args.batch_size * args.seq_len / final["seconds"],
         tok_per_cpu_sec=args.max_steps * args.batch_size * args.seq_len / final["cpu_seconds"], final_bpb=final["bpb"],
     )
-    print(f"{arm:<11} seed {seed}: bpb {final['bpb']:.4f} after {final['step']} steps, {final['seconds']:.0f} s, "
+    print(f"{arm:<13} seed {seed}: bpb {final['bpb']:.4f} after {final['step']} steps, {final['seconds']:.0f} s, "
           f"{result['tok_per_sec']:.0f} tok/s", flush=True)
     return result
 
@@ -311,25 +323,25 @@ def print_summary(summary: dict, args: BenchmarkArguments) -> None:
     print(f"\nL3 vs dense: depth {args.depth}, seq {args.seq_len}, batch {args.batch_size}, {args.max_steps} steps, "
           f"seeds {args.seeds}; equal FLOPs = {budgets['flops']:.3g}, equal time = {budgets['seconds']:.0f} s wall "
           f"({budgets['cpu_seconds']:.0f} s CPU)")
-    print(f"{'arm':<11}{'hidden':>7}{'dense M':>9}{'table M':>9}{'MFLOP/tok':>10}{'tok/s':>8}{'tok/CPU s':>10}"
+    print(f"{'arm':<13}{'hidden':>7}{'dense M':>9}{'table M':>9}{'MFLOP/tok':>10}{'tok/s':>8}{'tok/CPU s':>10}"
           f"{'peak MB':>8}"
           f"{'bpb@steps':>17}{'bpb@FLOPs':>17}{'bpb@wall':>17}{'bpb@CPU s':>17}")
     for arm, row in table.items():
         cells = "".join(f"{mean(row[k]):>10.4f} ±{spread(row[k]):.3f}" for k in
                         ("bpb_equal_steps", "bpb_equal_flops", "bpb_equal_seconds", "bpb_equal_cpu_seconds"))
-        print(f"{arm:<11}{row['hidden_size']:>7}{row['dense_parameters'] / 1e6:>9.2f}"
+        print(f"{arm:<13}{row['hidden_size']:>7}{row['dense_parameters'] / 1e6:>9.2f}"
               f"{row['table_parameters'] / 1e6:>9.2f}{row['flops_per_token'] / 1e6:>10.2f}{row['tok_per_sec']:>8.0f}"
               f"{row['tok_per_cpu_sec']:>10.0f}{row['peak_memory_mb']:>8.0f}{cells}")
-    for other in ("dense", "dense_wide"):
-        if "l3" not in table or other not in table:
+    for arm, other in COMPARISONS:
+        if arm not in table or other not in table:
             continue
-        l3, ref = table["l3"], table[other]
-        print(f"l3 / {other}: FLOPs/token ×{l3['flops_per_token'] / ref['flops_per_token']:.3f}, "
-              f"tok/s ×{l3['tok_per_sec'] / ref['tok_per_sec']:.3f} (per CPU s ×"
-              f"{l3['tok_per_cpu_sec'] / ref['tok_per_cpu_sec']:.3f}), "
-              f"peak memory ×{l3['peak_memory_mb'] / max(ref['peak_memory_mb'], 1e-9):.2f}; "
-              f"Δbpb (l3 − {other}, per seed) " + ", ".join(
-                  f"{k.removeprefix('bpb_equal_')} {[round(a - b, 4) for a, b in zip(l3[k], ref[k])]}"
+        mine, ref = table[arm], table[other]
+        print(f"{arm} / {other}: FLOPs/token ×{mine['flops_per_token'] / ref['flops_per_token']:.3f}, "
+              f"tok/s ×{mine['tok_per_sec'] / ref['tok_per_sec']:.3f} (per CPU s ×"
+              f"{mine['tok_per_cpu_sec'] / ref['tok_per_cpu_sec']:.3f}), "
+              f"peak memory ×{mine['peak_memory_mb'] / max(ref['peak_memory_mb'], 1e-9):.2f}; "
+              f"Δbpb ({arm} − {other}, per seed) " + ", ".join(
+                  f"{k.removeprefix('bpb_equal_')} {[round(a - b, 4) for a, b in zip(mine[k], ref[k])]}"
                   for k in ("bpb_equal_steps", "bpb_equal_flops", "bpb_equal_seconds", "bpb_equal_cpu_seconds")))
 
 
@@ -340,7 +352,7 @@ def save_plot(runs: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = dict(zip(ARMS, ("tab:blue", "tab:red", "tab:green")))
+    colours = dict(zip(ARMS, ("tab:gray", "tab:blue", "tab:red", "tab:green")))
     styles = ("-", "--", ":", "-.")
     seeds = sorted({r["seed"] for r in runs})
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
@@ -369,7 +381,8 @@ def main(args: BenchmarkArguments) -> dict:
     train_ids = np.asarray(packed["train"]["input_ids"]).reshape(-1)
     routed_mean_rows = float(allocation.numpy()[train_ids].mean())
     l3_fpt = flops_per_token(l3_config, args.seq_len) + l3_lookup_flops_per_token(l3_config, routed_mean_rows)
-    configs = {"dense": make_config(args, tokenizer, with_l3=False), "l3": l3_config}
+    configs = {"dense_legacy": make_config(args, tokenizer, with_l3=False, legacy=True),
+               "dense": make_config(args, tokenizer, with_l3=False), "l3": l3_config}
     configs["dense_wide"] = make_config(args, tokenizer, False, widened_hidden_size(args, tokenizer, l3_fpt))
     fpts = {arm: flops_per_token(c, args.seq_len) for arm, c in configs.items()} | {"l3": l3_fpt}
     print(f"L3 allocation: mean {allocation.float().mean():.1f} rows/token, routed mean {routed_mean_rows:.1f} "

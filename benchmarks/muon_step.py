@@ -9,7 +9,8 @@ optimizer work; the arms alternate step by step, so that they share the machine'
   muon_compiled  the same with `compile_update=True` (each stack's update one compiled graph); MuonAdamW's default
                  on CUDA. `--compiled false` leaves it out (compiling takes ~10-30 s per shape on a CPU)
   per_parameter  the MuonAdamW step before issue 12 (commit 0d37b51), kept here as the baseline: one Polar Express
-                 per matrix (`mm`/`addmm`), NorMuon and weight decay per matrix, torch's default functional AdamW
+                 per matrix (`mm`/`addmm`), NorMuon and weight decay per matrix, torch's default functional AdamW;
+                 with MuonEq and Muon+ per matrix when the group has them (issue 17), so that the math is the same
 
 Per arm: median wall time of a step (CUDA: synchronised before and after), process CPU time of a step (on CUDA the
 launch cost), GPU time (CUDA events), aten operations and matmuls dispatched in one step, optimizer state MB, and
@@ -38,6 +39,7 @@ from transformers import HfArgumentParser
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.optim import MuonAdamW, muon_momentum, normuon_rescale, orthogonalize, param_groups_by_kind
 from hfl3.optim.muon import _orthogonalize_dtype
+from hfl3.optim.muon_scaling import equilibrate, renormalize
 from hfl3.provenance import write_json_atomic
 
 MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
@@ -100,8 +102,12 @@ class PerParameterMuonAdamW:
             state["momentum_buffer"].lerp_(param.grad, 1 - momentum)
             update = param.grad.lerp(state["momentum_buffer"], momentum)
             dtype = _orthogonalize_dtype(group["orthogonalize_dtype"], param.device)
+            if group["muon_eq"] is not None:
+                update = equilibrate(update, group["muon_eq"])
             update = orthogonalize(update, group["ns_coefficients"], norm_safety=group["ns_norm_safety"],
                                    eps=group["eps"], dtype=dtype)  # fmt: skip
+            if group["muon_plus"]:
+                update = renormalize(update)
             update = normuon_rescale(update, state["second_moment"], group["beta2"])
             param.sub_(param * (update * param >= 0), alpha=lr * weight_decay)
             param.add_(update, alpha=-lr * max(1.0, param.size(0) / param.size(1)) ** 0.5)

@@ -1,14 +1,18 @@
-"""L3GPT: L3 lookup vs the padded reference, HF integration (masks, cache, loss, save/load, remote code), configs."""
+"""L3GPT: L3 lookup vs the padded reference, HF integration (masks, cache, loss, save/load, remote code), configs,
+nanochat master's features (value embeddings, smear, backout) and configs saved before them."""
 
+import copy
 import json
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hfl3
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.models.l3gpt import l3_routing, lzw_allocation
+from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES
+from hfl3.models.l3gpt.modeling_l3gpt import L3GPTSmear
 from hfl3.models.l3gpt.reference import padded_lookup_reference
 
 VOCAB = 96
@@ -24,7 +28,8 @@ def tiny_config(**overrides) -> L3GPTConfig:
 
 
 def skewed_model(config: L3GPTConfig, seed: int = 0, randomize_zero_inits: bool = True) -> L3GPTForCausalLM:
-    """A model with an LZW allocation and (optionally) non-zero output projections, so every path is exercised."""
+    """A model with an LZW allocation and (optionally) non-zero output projections and smear, so every path is
+    exercised."""
     torch.manual_seed(seed)
     model = L3GPTForCausalLM(config)
     sample = [torch.randint(0, config.vocab_size // 3, (400,)).tolist()]
@@ -35,6 +40,8 @@ def skewed_model(config: L3GPTConfig, seed: int = 0, randomize_zero_inits: bool 
             for name, param in model.named_parameters():
                 if param.ndim == 2 and not param.any():
                     param.normal_(std=0.05)
+            if model.model.smear is not None:
+                model.model.smear.smear_lambda.fill_(0.8)
     return model
 
 
@@ -46,6 +53,17 @@ def test_from_depth_sizes_like_nanochat():
     assert config.sliding_window == 512  # a quarter of 2048, multiple of 128
     odd = L3GPTConfig.from_depth(3, vocab_size=1000, aspect_ratio=64, head_dim=128)
     assert odd.hidden_size == 256 and odd.vocab_size == 1024
+
+
+def test_nanochat_master_features_are_on_for_new_configs():
+    config = L3GPTConfig.from_depth(12, vocab_size=32768)
+    assert config.value_embedding_layers == [1, 3, 5, 7, 9, 11]  # nanochat's has_ve: alternating, last included
+    assert L3GPTConfig.from_depth(3, vocab_size=64).value_embedding_layers == [0, 2]
+    assert config.use_smear_gate and config.use_backout
+    assert (config.value_embedding_gate_channels, config.smear_gate_channels) == (12, 24)
+    off = tiny_config(**copy.deepcopy(LEGACY_FIELD_VALUES))
+    model = L3GPTForCausalLM(off)
+    assert not len(model.model.value_embeddings) and model.model.smear is None and model.model.backout_lambda is None
 
 
 def test_auto_classes_build_l3gpt():
@@ -63,6 +81,9 @@ def test_auto_classes_build_l3gpt():
         (dict(l3_k_max=0), "l3_k_max"),
         (dict(window_pattern="SXL"), "window_pattern"),
         (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(value_embedding_layers=[2]), "value_embedding_layers"),
+        (dict(value_embedding_gate_channels=0), "value_embedding_gate_channels"),
+        (dict(smear_gate_channels=65), "smear_gate_channels"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
@@ -197,6 +218,64 @@ def test_greedy_generate_with_cache_equals_full_recompute():
     assert torch.equal(generated, ids)
 
 
+@pytest.mark.parametrize("with_config", [True, False], ids=["cache_from_config", "lazy_cache"])
+def test_cached_chunks_equal_one_full_forward(with_config, monkeypatch):
+    """Several tokens at a time through a DynamicCache (prefill, then a chunk of 1, then of 11): the smear of each
+    chunk's first token reads the previous token's embedding from the cache, so the logits are the full forward's."""
+    model = skewed_model(tiny_config()).eval()
+    ids = torch.randint(0, VOCAB, (2, 19))
+    bounds = ((0, 7), (7, 8), (8, 19))
+
+    def chunked():
+        cache = DynamicCache(config=model.config) if with_config else DynamicCache()
+        with torch.no_grad():
+            logits = [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in bounds]
+        return torch.cat(logits, dim=1), cache
+
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+    logits, cache = chunked()
+    torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5)
+    assert len(cache.layers) == model.config.num_hidden_layers + 1  # the smear's layer
+    # the guard: forgetting the previous token at the chunk boundaries changes exactly those positions
+    monkeypatch.setattr(L3GPTSmear, "previous_embedding", lambda self, embeds, cache: None)
+    forgetful, _ = chunked()
+    assert not torch.allclose(forgetful[:, [7, 8]], full[:, [7, 8]], atol=1e-3)
+    torch.testing.assert_close(forgetful[:, :7], full[:, :7], rtol=1e-5, atol=1e-5)
+
+
+def test_left_padded_batch_generates_like_each_prompt_alone():
+    model = skewed_model(tiny_config()).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)
+    long, short = torch.randint(1, VOCAB, (1, 6)), torch.randint(1, VOCAB, (1, 3))
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1)])
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    together = model.generate(batch, attention_mask=mask, **kwargs)
+    assert torch.equal(together[0], model.generate(long, **kwargs)[0])
+    assert torch.equal(together[1, 3:], model.generate(short, **kwargs)[0])
+
+
+def test_smear_mixes_in_the_previous_token_except_at_document_starts():
+    torch.manual_seed(3)
+    smear = L3GPTSmear(tiny_config()).double()
+    with torch.no_grad():
+        smear.smear_lambda.fill_(0.7)
+        smear.gate.weight.normal_()
+    embeds = torch.randn(2, 6, 64, dtype=torch.float64)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]])  # two packed documents
+    gate = 0.7 * torch.sigmoid(embeds[..., :24] @ smear.gate.weight.T)  # (B, T, 1)
+    expected = embeds.clone()
+    for t in (1, 2, 4, 5):
+        expected[:, t] += gate[:, t] * embeds[:, t - 1]
+    torch.testing.assert_close(smear(embeds, positions), expected, rtol=1e-12, atol=1e-12)
+    previous = torch.randn(2, 1, 64, dtype=torch.float64)  # a cached token before a document start is not mixed in
+    torch.testing.assert_close(smear(embeds, positions, previous), expected, rtol=1e-12, atol=1e-12)
+    continued = smear(embeds, positions + 5, previous)  # positions > 0: the cached token mixes into position 0
+    torch.testing.assert_close(continued[:, 0], embeds[:, 0] + gate[:, 0] * previous[:, 0], rtol=1e-12, atol=1e-12)
+
+
 def test_gradient_checkpointing_gives_equal_grads():
     model = skewed_model(tiny_config()).train()
     ids = torch.randint(0, VOCAB, (2, 16))
@@ -234,6 +313,35 @@ def test_save_pretrained_round_trip(tmp_path):
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_l3gpt.L3GPTForCausalLM"
+
+
+NANOCHAT_MASTER_FIELDS = (
+    "value_embedding_layers", "value_embedding_gate_channels", "use_smear_gate", "smear_gate_channels", "use_backout",
+)
+
+
+def test_config_json_from_before_nanochat_master_features_loads_them_off(tmp_path):
+    """A checkpoint saved before issue 17 has no key for the new fields: it loads with its own architecture (no
+    missing or unexpected weights) and gives its own logits; a new config of the same fields gets them on."""
+    model = skewed_model(tiny_config(**copy.deepcopy(LEGACY_FIELD_VALUES))).eval()
+    model.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert set(NANOCHAT_MASTER_FIELDS) <= set(written)  # files written now carry them
+    old_format = {key: value for key, value in written.items() if key not in NANOCHAT_MASTER_FIELDS}
+    (tmp_path / "config.json").write_text(json.dumps(old_format))
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    config = loaded.config
+    assert (config.value_embedding_layers, config.use_smear_gate, config.use_backout) == ([], False, False)
+    ids = torch.randint(0, VOCAB, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(ids).logits, model(ids).logits, rtol=0, atol=0)
+    # the guard: the same dict as a new config has the features on, so the test could tell
+    new = L3GPTConfig(**old_format)
+    assert new.use_smear_gate and new.use_backout and new.value_embedding_layers == [1]
+    # a field passed to from_pretrained still wins, resolved as for a new config
+    assert L3GPTConfig.from_pretrained(tmp_path, use_smear_gate=True).use_smear_gate
+    assert L3GPTConfig.from_pretrained(tmp_path, value_embedding_layers=None).value_embedding_layers == [1]
 
 
 REMOTE_SCRIPT = """

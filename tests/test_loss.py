@@ -112,10 +112,12 @@ def tiny_l3gpt(vocab_size=256, dtype=torch.float32, seed=0, **overrides) -> L3GP
         final_logit_softcapping=3.0, **overrides,
     )
     model = L3GPTForCausalLM(config)
-    with torch.no_grad():  # nanochat's zero-init output projections would leave most gradients at zero
+    with torch.no_grad():  # nanochat's zero inits (output projections, smear) would leave gradients at zero
         for param in model.parameters():
             if param.ndim == 2 and not param.any():
                 param.normal_(std=0.05)
+        if model.model.smear is not None:
+            model.model.smear.smear_lambda.fill_(0.5)
         model.lm_head.weight.normal_(std=0.3)  # logits large enough for the softcap to bite
     return model.to(dtype)
 

@@ -24,7 +24,7 @@ from hfl3.optim import (
 from hfl3.optim.muon import ADAMW_DEFAULTS, POLAR_EXPRESS_COEFFICIENTS, POLAR_EXPRESS_NORM_SAFETY
 
 KELLER_JORDAN_COEFFICIENTS = ((DEFAULT_A, DEFAULT_B, DEFAULT_C),) * 5
-TORCH_MUON_SETTINGS = dict(  # MuonAdamW configured as torch.optim.Muon (NorMuon, cautious WD, warm-up off)
+TORCH_MUON_SETTINGS = dict(  # MuonAdamW as torch.optim.Muon (NorMuon, cautious WD, warm-up, MuonEq, Muon+ off)
     ns_coefficients=KELLER_JORDAN_COEFFICIENTS,
     ns_norm_safety=1.0,
     eps=1e-7,
@@ -32,6 +32,8 @@ TORCH_MUON_SETTINGS = dict(  # MuonAdamW configured as torch.optim.Muon (NorMuon
     beta2=None,
     cautious_weight_decay=False,
     momentum_warmup_steps=0,
+    muon_eq=None,
+    muon_plus=False,
 )
 
 
@@ -244,10 +246,16 @@ def _expected_l3gpt_groups(model):
     expected = {id(model.lm_head.weight): "unembedding", id(base.embed_tokens.weight): "embedding"}
     expected[id(base.resid_lambdas)] = "residual_scalar"
     expected[id(base.x0_lambdas)] = "scalar"
+    for param in (base.smear.gate.weight, base.smear.smear_lambda, base.backout_lambda):
+        expected[id(param)] = "smear"
+    for table in base.value_embeddings.values():
+        expected[id(table.weight)] = "value_embedding"
     for layer in base.layers:
         for linear in (*(getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
                        layer.mlp.up_proj, layer.mlp.down_proj):  # fmt: skip
             expected[id(linear.weight)] = "matrix"
+        if layer.self_attn.value_embedding_gate is not None:  # nanochat: ve_gate with the Muon matrices
+            expected[id(layer.self_attn.value_embedding_gate.weight)] = "matrix"
     for l3 in base.l3_layers.values():
         expected[id(l3.up_proj.weight)] = expected[id(l3.mix_proj.weight)] = "matrix"
         expected[id(l3.key_table.weight)] = "l3_table"
@@ -292,6 +300,7 @@ def test_param_groups_by_kind(name, build, expected_groups, hidden_size):
         assert lrs["embedding"] == pytest.approx(0.3 * scale)
     if name.startswith("l3gpt"):
         assert lrs["l3_table"] == pytest.approx(0.3 * scale) and lrs["residual_scalar"] == pytest.approx(0.005)
+        assert lrs["value_embedding"] == pytest.approx(0.15 * scale) and lrs["smear"] == 0.2  # nanochat's
     for group in groups:
         assert group["kind"] == ("muon" if group["name"] == "matrix" else "adamw")
         if group["kind"] == "muon":

@@ -25,6 +25,8 @@ def _model() -> L3GPTForCausalLM:
         for param in model.parameters():  # (~1e-10) that Adam would blow up to ±lr: give every weight a real gradient
             if param.ndim == 2 and not param.any():
                 param.normal_(0.0, 0.02)
+        if model.model.smear is not None:  # zero-initialised too: the smear gate would get no gradient
+            model.model.smear.smear_lambda.fill_(0.5)
     return model
 
 
@@ -79,13 +81,19 @@ def test_ddp_equals_single_process_on_the_global_batch(tmp_path):
     _train(first_half_only, first_half_only, slice(0, GLOBAL_BATCH // WORLD_SIZE))
 
     # Tolerances in units of each group's LR: the same update up to round-off. Muon's orthogonalisation is smooth
-    # (measured <= 4e-6·lr); AdamW divides by sqrt(v), which magnifies the round-off of elements whose gradient is
-    # near zero (measured <= 1.2e-3·lr on the L3 table). Skipping the all-reduce moves weights by ~0.1-0.7·lr.
-    learning_rates = {id(p): (g["lr"], g["kind"]) for g in param_groups_by_kind(single) for p in g["params"]}
+    # (measured <= 1.6e-5·lr with MuonEq and Muon+ on); AdamW divides by sqrt(v), which magnifies the round-off of
+    # elements whose gradient is near zero (measured <= 1.2e-3·lr on the L3 table). Skipping the all-reduce moves
+    # weights by ~0.1-0.7·lr.
+    groups = param_groups_by_kind(single)
+    learning_rates = {id(p): (g["lr"], g["kind"]) for g in groups for p in g["params"]}
+    param_group_names = {id(p): "muon" if g["kind"] == "muon" else g["name"] for g in groups for p in g["params"]}
     half_parameters = dict(first_half_only.named_parameters())
     for name, value in single.named_parameters():
         lr, kind = learning_rates[id(value)]
-        tolerance = (1e-5 if kind == "muon" else 5e-3) * lr
+        # The scalars that gate the residual stream read by the final norm (smear, backout) get gradients that
+        # nearly cancel over the batch; Adam's first steps, ~sign(g), magnify their round-off most (measured
+        # 6.5e-3·lr on backout_lambda), while skipping the all-reduce moves them by ≥ 0.1·lr.
+        tolerance = {"muon": 5e-5, "smear": 2e-2}.get(param_group_names[id(value)], 5e-3) * lr
         difference = (ddp_state[name] - value.detach()).abs().max().item()
         assert difference <= tolerance, f"{name}: DDP differs from single-process by {difference:.3g} > {tolerance:.3g}"
-        assert (half_parameters[name] - value).abs().median() > 1e-2 * lr, f"{name}: the test cannot tell"
+        assert (half_parameters[name] - value).abs().median() > max(1e-2 * lr, 5 * tolerance), f"{name}: cannot tell"

@@ -137,9 +137,11 @@ def test_recipe_early_stops_at_the_expected_evaluation_and_keeps_the_best(recipe
     end_of_training = next(i for i, e in enumerate(history) if "train_runtime" in e)
     evals = [e for e in history[:end_of_training] if "eval_loss" in e]  # the recipe evaluates once more after
     losses = [e["eval_loss"] for e in evals]
-    # EarlyStoppingCallback's rule with patience 2: stop at the 2nd evaluation in a row without a new best
+    # EarlyStoppingCallback's rule with patience 2: stop at the 2nd evaluation in a row without a new best. The
+    # step-0 evaluation (`eval_on_start`) never sets the Trainer's best metric, so the rule starts after it.
+    assert evals[0]["step"] == 0
     best, bad, expected_stop = math.inf, 0, None
-    for index, loss in enumerate(losses):
+    for index, loss in enumerate(losses[1:], start=1):
         bad = 0 if loss < best else bad + 1
         best = min(best, loss)
         if bad >= 2:
@@ -147,14 +149,15 @@ def test_recipe_early_stops_at_the_expected_evaluation_and_keeps_the_best(recipe
             break
     assert expected_stop is not None and len(evals) == expected_stop + 1 < 12, losses
     assert all(math.isclose(e["eval_perplexity"], math.exp(e["eval_loss"]), rel_tol=1e-9) for e in evals)
-    best_step = evals[losses.index(min(losses))]["step"]
+    best_index = min(range(1, len(losses)), key=losses.__getitem__)  # checkpoints start after step 0
+    best_step = evals[best_index]["step"]
     assert state["best_model_checkpoint"].endswith(f"checkpoint-{best_step}")
     best_adapter = load_file(f"{state['best_model_checkpoint']}/adapter_model.safetensors")
     final_adapter = load_file(output_dir / "adapter_model.safetensors")
     assert best_adapter.keys() == final_adapter.keys()
     assert all(torch.equal(best_adapter[k], final_adapter[k]) for k in best_adapter)
     results = json.loads((output_dir / "all_results.json").read_text())
-    assert math.isclose(results["eval_loss"], min(losses), rel_tol=1e-6)  # the final evaluation is of the best
+    assert math.isclose(results["eval_loss"], losses[best_index], rel_tol=1e-6)  # the final evaluation: the best
     assert "eval_before_loss" in results and results["global_step"] == evals[-1]["step"]
 
 

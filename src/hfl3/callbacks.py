@@ -82,13 +82,16 @@ def peak_flops_per_second() -> float | None:
 
 def flops_per_token(config, seq_len: int) -> float:
     """Training FLOPs per token of an L3GPT: 6 × matmul parameters + 12·L·H·Q·T_attended (nanochat gpt.py
-    `estimate_flops`, after the PaLM paper appendix B). Matmul parameters: attention and MLP projections, L3 up/mix
-    projections and lm_head; token embeddings and the L3 tables are lookups and excluded. T_attended is
-    `min(sliding_window, seq_len)` on sliding layers."""
+    `estimate_flops`, after the PaLM paper appendix B). Matmul parameters, as nanochat counts them (every weight of a
+    `Linear`): attention and MLP projections, the value-embedding and smear gates, L3 up/mix projections and lm_head;
+    token embeddings, value embeddings and the L3 tables are lookups and excluded, and so is elementwise work (the
+    gated sums). T_attended is `min(sliding_window, seq_len)` on sliding layers."""
     width, heads, kv_heads, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     per_layer = width * head_dim * (2 * heads + 2 * kv_heads) + 2 * width * config.intermediate_size
     l3 = len(config.l3_after_layers) * (width * config.l3_d_up + (config.l3_d_up + width) * width)
-    matmul = config.num_hidden_layers * per_layer + l3 + width * config.vocab_size
+    gates = len(config.value_embedding_layers) * config.value_embedding_gate_channels * kv_heads
+    gates += config.smear_gate_channels if config.use_smear_gate else 0
+    matmul = config.num_hidden_layers * per_layer + l3 + gates + width * config.vocab_size
     attended = sum(
         min(config.sliding_window, seq_len) if kind == "sliding_attention" else seq_len for kind in config.layer_types
     )

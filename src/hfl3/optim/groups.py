@@ -24,8 +24,13 @@ UNEMBEDDING_LR = 0.004
 SCALAR_LR = 0.5
 LR_REFERENCE_HIDDEN_SIZE = 768
 RESIDUAL_SCALAR_LR_FACTOR = 0.01  # nanochat: resid_lambdas "accumulate in the residual stream", 100x lower LR
+VALUE_EMBEDDING_LR_FACTOR = 0.5  # nanochat 6ed7d1d: value embeddings at half the embedding LR
+SMEAR_LR = 0.2  # nanochat a825e63: smear gate, smear_lambda and backout_lambda, not scaled by the hidden size
 
-_L3_LAYER_CLASS_NAMES = ("LargeLookupLayer",)  # L3GPT's lookup layer, also when loaded as remote code
+# L3GPT's module classes, matched by name so that they are also found when L3GPT is loaded as remote code.
+_L3_LAYER_CLASS_NAMES = ("LargeLookupLayer",)
+_VALUE_EMBEDDINGS_CLASS_NAMES = ("L3GPTValueEmbeddings",)
+_SMEAR_CLASS_NAMES = ("L3GPTSmear",)
 
 
 def param_groups_by_kind(
@@ -36,24 +41,33 @@ def param_groups_by_kind(
     unembedding_lr: float = UNEMBEDDING_LR,
     scalar_lr: float = SCALAR_LR,
     l3_table_lr: float | None = None,
+    value_embedding_lr: float | None = None,
+    smear_lr: float = SMEAR_LR,
     hidden_size: int | None = None,
 ) -> list[dict]:
     """Split the trainable parameters of `model` into MuonAdamW groups by module type and shape.
 
-    | group name        | kind  | what                                                        | lr                 |
-    |-------------------|-------|-------------------------------------------------------------|--------------------|
-    | `matrix`          | muon  | 2-D weights of every `nn.Linear` except the output head     | `matrix_lr`        |
-    | `embedding`       | adamw | `get_input_embeddings()` and any other `nn.Embedding`       | `embedding_lr · s` |
-    | `l3_table`        | adamw | the `nn.Embedding`s inside an L3 `LargeLookupLayer`         | `l3_table_lr · s`  |
-    | `unembedding`     | adamw | `get_output_embeddings()` (when tied: the shared weight)    | `unembedding_lr · s` |
-    | `scalar`          | adamw | 0-/1-D parameters: norm gains, biases, `x0_lambdas`         | `scalar_lr`        |
-    | `residual_scalar` | adamw | a module's `resid_lambdas` (L3GPT, nanochat)                | `scalar_lr · 0.01` |
+    | group name        | kind  | what                                                       | lr                       |
+    |-------------------|-------|------------------------------------------------------------|--------------------------|
+    | `matrix`          | muon  | 2-D weights of every `nn.Linear` except the output head    | `matrix_lr`              |
+    | `embedding`       | adamw | `get_input_embeddings()` and any other `nn.Embedding`      | `embedding_lr · s`       |
+    | `l3_table`        | adamw | the `nn.Embedding`s inside an L3 `LargeLookupLayer`        | `l3_table_lr · s`        |
+    | `value_embedding` | adamw | the `nn.Embedding`s inside L3GPT's `L3GPTValueEmbeddings`  | `value_embedding_lr · s` |
+    | `unembedding`     | adamw | `get_output_embeddings()` (when tied: the shared weight)   | `unembedding_lr · s`     |
+    | `scalar`          | adamw | 0-/1-D parameters: norm gains, biases, `x0_lambdas`        | `scalar_lr`              |
+    | `residual_scalar` | adamw | a module's `resid_lambdas` (L3GPT, nanochat)               | `scalar_lr · 0.01`       |
+    | `smear`           | adamw | `L3GPTSmear` (gate, `smear_lambda`) and `backout_lambda`   | `smear_lr`               |
 
     `s = (hidden_size / 768) ** -0.5` (nanochat scales its AdamW LRs so, having tuned them at 768).
     The L3 tables default to `embedding_lr`: they are embedding rows gathered by token id, updated
-    only for the tokens in the batch, like the token embedding. A tied input/output embedding gets
-    the unembedding LR (the input embedding's 0.3 would blow up the logits). Empty groups are
-    dropped; frozen parameters (`requires_grad=False`) are left out. A parameter's shape is its `ds_shape` when
+    only for the tokens in the batch, like the token embedding. The value embeddings default to
+    `0.5 · embedding_lr` and the smear group to 0.2, unscaled (nanochat's `setup_optimizer`); the value-embedding
+    gates are `nn.Linear`s in the decoder layers and go to Muon with the other matrices, as in nanochat. A tied
+    input/output embedding gets the unembedding LR (the input embedding's 0.3 would blow up the logits). Empty
+    groups are dropped; frozen parameters (`requires_grad=False`) are left out. Not reproduced from nanochat
+    (since 6ed7d1d): its per-group AdamW betas and weight decays (e.g. value embeddings betas (0.8, 0.995), weight
+    decay 0.01); here every AdamW group gets the same betas (`create_muon_optimizer`: the TrainingArguments') and
+    no weight decay. A parameter's shape is its `ds_shape` when
     DeepSpeed ZeRO-3 has already partitioned it (`zero.Init`: the tensor itself is then empty and 1-D; grouping by
     that shape would send every matrix to AdamW, DeepSpeed's own Muon bug #8438).
 
@@ -90,10 +104,17 @@ def param_groups_by_kind(
         place(input_embeddings.weight, "embedding")
     for module in model.modules():
         place(getattr(module, "resid_lambdas", None), "residual_scalar")
-        if type(module).__name__ in _L3_LAYER_CLASS_NAMES:
-            for child in module.modules():
-                if isinstance(child, nn.Embedding):
-                    place(child.weight, "l3_table")
+        place(getattr(module, "backout_lambda", None), "smear")
+        class_name = type(module).__name__
+        if class_name in _SMEAR_CLASS_NAMES:
+            for param in module.parameters():
+                place(param, "smear")
+        for table_group, class_names in (("l3_table", _L3_LAYER_CLASS_NAMES),
+                                         ("value_embedding", _VALUE_EMBEDDINGS_CLASS_NAMES)):  # fmt: skip
+            if class_name in class_names:
+                for child in module.modules():
+                    if isinstance(child, nn.Embedding):
+                        place(child.weight, table_group)
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             if len(getattr(param, "ds_shape", param.shape)) <= 1:
@@ -114,9 +135,13 @@ def param_groups_by_kind(
         "matrix": matrix_lr,
         "embedding": embedding_lr * scale,
         "l3_table": (embedding_lr if l3_table_lr is None else l3_table_lr) * scale,
+        "value_embedding": (
+            embedding_lr * VALUE_EMBEDDING_LR_FACTOR if value_embedding_lr is None else value_embedding_lr
+        ) * scale,
         "unembedding": unembedding_lr * scale,
         "scalar": scalar_lr,
         "residual_scalar": scalar_lr * RESIDUAL_SCALAR_LR_FACTOR,
+        "smear": smear_lr,
     }
     by_name: dict[str, list[nn.Parameter]] = {name: [] for name in learning_rates}
     for param in model.parameters():  # each shared parameter once, in model order
@@ -150,8 +175,8 @@ def create_muon_optimizer(
     How `TrainingArguments` apply:
         - `args.learning_rate` is NOT used: each group has its own absolute LR (nanochat's, see
           `param_groups_by_kind`; override with `matrix_lr=`, `embedding_lr=`, `unembedding_lr=`,
-          `scalar_lr=`, `l3_table_lr=`). A warning says so when it differs from `matrix_lr`. The Trainer's
-          logged `learning_rate` is the first group's: the Muon matrix LR.
+          `scalar_lr=`, `l3_table_lr=`, `value_embedding_lr=`, `smear_lr=`). A warning says so when it differs
+          from `matrix_lr`. The Trainer's logged `learning_rate` is the first group's: the Muon matrix LR.
         - `args.weight_decay` -> the Muon groups' (cautious, linearly decaying) weight decay; the AdamW
           groups get none, as in nanochat.
         - `args.adam_beta1`, `args.adam_beta2`, `args.adam_epsilon` -> every AdamW group (nanochat uses
@@ -172,13 +197,14 @@ def create_muon_optimizer(
             unknown hyperparameter.
     """
     refuse_unsupported_sharding(args)
-    lr_keys = ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "l3_table_lr", "hidden_size")
+    lr_keys = ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "l3_table_lr", "value_embedding_lr",
+               "smear_lr", "hidden_size")
     group_kwargs = {key: hyperparameters.pop(key) for key in lr_keys if key in hyperparameters}
     allowed = set(MUON_DEFAULTS) - {"lr", "weight_decay"}
     if set(hyperparameters) - allowed:
         raise ValueError(
             f"create_muon_optimizer: unknown hyperparameters {sorted(set(hyperparameters) - allowed)}; the LRs are "
-            f"{list(lr_keys[:5])}, the weight decay is args.weight_decay, the Muon keys are {sorted(allowed)}"
+            f"{list(lr_keys[:-1])}, the weight decay is args.weight_decay, the Muon keys are {sorted(allowed)}"
         )
     if num_training_steps is None and getattr(args, "max_steps", -1) > 0:
         num_training_steps = args.max_steps

@@ -2,13 +2,15 @@
 
 One optimizer (DESIGN.md decision 7) so that the HF Trainer's LR scheduler, checkpointing and logging
 see a single object. Each param group carries a `kind`: `"muon"` or `"adamw"`, and a `name` saying
-which part of the model it holds (`matrix`, `embedding`, `l3_table`, `unembedding`, `scalar`,
-`residual_scalar`).
+which part of the model it holds (`matrix`, `embedding`, `l3_table`, `value_embedding`, `unembedding`,
+`scalar`, `residual_scalar`, `smear`).
 
 Muon (https://kellerjordan.github.io/posts/muon/) on a 2-D weight `W` of shape `(rows, cols)`:
 
     B   <- momentum·B + (1 - momentum)·G                      Nesterov: U = (1 - momentum)·G + momentum·B
+    U   <- MuonEq(U)                                          optional, arXiv 2603.28254 (see `equilibrate`)
     O   <- PolarExpress(U)                                    ≈ polar factor of U, in bf16 (CPU: fp32)
+    O   <- O · sqrt(min(rows, cols)) / ‖O‖_F                  Muon+, optional, arXiv 2602.21545
     O   <- NorMuon(O)                                         optional, arXiv 2510.05491
     W   <- W - lr·wd·W·[O ⊙ W >= 0]                           cautious weight decay, arXiv 2510.12402
     W   <- W - lr·sqrt(max(1, rows/cols))·O                   shape-aware LR (Keller Jordan's "original")
@@ -62,6 +64,7 @@ import torch
 from torch.optim.adamw import adamw
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from .muon_scaling import MUON_EQ_MODES
 from .update import (
     POLAR_EXPRESS_COEFFICIENTS,
     POLAR_EXPRESS_NORM_SAFETY,
@@ -85,6 +88,8 @@ MUON_DEFAULTS = {
     "beta2": 0.95,
     "weight_decay": 0.0,
     "cautious_weight_decay": True,
+    "muon_eq": "row",  # MuonEq before orthogonalising: "row", "column" or None (nanochat 4e014d3: rows, always on)
+    "muon_plus": True,  # Muon+ renormalisation after it (nanochat 4e014d3: always on)
 }
 ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.8, 0.95), "eps": 1e-10, "weight_decay": 0.0}
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -162,7 +167,9 @@ class MuonAdamW(torch.optim.Optimizer):
             `momentum_warmup_steps` 300, `nesterov` True, `ns_coefficients` (Polar Express, 5 steps),
             `ns_norm_safety` 1.01, `eps` 1e-7, `orthogonalize_dtype` `"auto"` (bf16 on accelerators, fp32
             on CPU: bf16 matmuls measured 50-100x slower than fp32 on an AVX2 CPU; or `"bfloat16"`/`"float32"`),
-            `beta2` 0.95 (NorMuon; None turns it off), `weight_decay` 0, `cautious_weight_decay` True.
+            `beta2` 0.95 (NorMuon; None turns it off), `weight_decay` 0, `cautious_weight_decay` True,
+            `muon_eq` `"row"` (MuonEq: `"row"`, `"column"` or None, see `equilibrate`), `muon_plus` True (Muon+, see
+            `renormalize`); both on as in nanochat since 4e014d3, both off gives the Muon of before.
             AdamW keys (`ADAMW_DEFAULTS`): `lr` 1e-3, `betas` (0.8, 0.95), `eps` 1e-10, `weight_decay` 0.
         num_training_steps: total optimizer steps; every group's weight decay decays linearly to 0 over
             them. None keeps the weight decay constant.
@@ -223,7 +230,8 @@ class MuonAdamW(torch.optim.Optimizer):
         """Validate a tagged group, fill in its kind's defaults, the step count 0 and the decay horizon.
 
         Raises:
-            ValueError: for a missing/unknown `kind`, a key that the kind does not have, or a bad `orthogonalize_dtype`.
+            ValueError: for a missing/unknown `kind`, a key that the kind does not have, or a bad `orthogonalize_dtype`
+                or `muon_eq`.
             RuntimeError: for a Muon parameter that is not a whole 2-D matrix (see the class docstring).
         """
         index = len(self.param_groups)
@@ -244,6 +252,8 @@ class MuonAdamW(torch.optim.Optimizer):
                     f"MuonAdamW: orthogonalize_dtype={group['orthogonalize_dtype']!r}; expected 'auto' or one of "
                     f"{sorted(_DTYPES)}"
                 )
+            if group["muon_eq"] not in (*MUON_EQ_MODES, None):
+                raise ValueError(f"MuonAdamW: muon_eq={group['muon_eq']!r}; expected one of {MUON_EQ_MODES} or None")
             group["ns_coefficients"] = tuple(tuple(step) for step in group["ns_coefficients"])  # graph constants
         super().add_param_group(group)
         if kind == "muon":
@@ -357,6 +367,8 @@ class MuonAdamW(torch.optim.Optimizer):
             "coefficients": group["ns_coefficients"],
             "norm_safety": group["ns_norm_safety"],
             "eps": group["eps"],
+            "muon_eq": group["muon_eq"],
+            "muon_plus": group["muon_plus"],
         }
         for stack in stacks:
             if not isinstance(stack, _MuonStack):  # a sharded group (ZeRO partition or FSDP2 shards), always eager

@@ -145,7 +145,8 @@ class ShardedMuon:
 
     def step(self, params: torch.Tensor, grads: torch.Tensor, momentum_buffer: torch.Tensor,
              second_moment: torch.Tensor, *, momentum, lr, weight_decay, beta2, nesterov: bool,
-             cautious_weight_decay: bool, coefficients, norm_safety: float, eps: float, dtype: torch.dtype) -> None:
+             cautious_weight_decay: bool, coefficients, norm_safety: float, eps: float, dtype: torch.dtype,
+             muon_eq: str | None = None, muon_plus: bool = False) -> None:
         """One Muon step of this rank's shards, in place: `params`, `momentum_buffer` (both `(local_numel,)`) and
         `second_moment` (`(local_moment_numel,)`, fp32). Every rank of the process group must call it."""
         update = momentum_update_(grads, momentum_buffer, momentum, nesterov)
@@ -158,7 +159,8 @@ class ShardedMuon:
             shape = moment_shape(rows, cols)
             moment = owned[1].narrow(0, moment_start, count * math.prod(shape)).view(count, *shape)
             stack.copy_(muon_direction(stack, moment, beta2=beta2, coefficients=coefficients,
-                                       norm_safety=norm_safety, eps=eps, dtype=dtype))
+                                       norm_safety=norm_safety, eps=eps, dtype=dtype, muon_eq=muon_eq,
+                                       muon_plus=muon_plus))
         returned = self._exchange(_pack(owned, self.receive_plan), self.send_sizes, self.receive_sizes)
         directions = torch.zeros(self.local_numel, dtype=torch.float32, device=params.device)  # padding stays 0
         _unpack(returned, [directions, second_moment], self.send_plan)

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .muon_scaling import equilibrate, renormalize
+
 # Polar Express coefficients, arXiv 2505.16932 (Amsel, Persson, Musco, Gower), computed for num_iters=5,
 # safety_factor=2e-2, cushion=2; the values nanochat (nanochat/optim.py) and modded-nanogpt use.
 POLAR_EXPRESS_COEFFICIENTS = (
@@ -112,6 +114,8 @@ def muon_update(
     norm_safety: float,
     eps: float,
     dtype: torch.dtype,
+    muon_eq: str | None = None,
+    muon_plus: bool = False,
 ) -> None:
     """One Muon step of `k` same-shape matrices, in place (the formulas of the module docstring).
 
@@ -132,10 +136,12 @@ def muon_update(
         momentum, lr, weight_decay: this step's values (`weight_decay` already scaled by its schedule).
         beta2: NorMuon's EMA decay.
         nesterov, cautious_weight_decay, coefficients, norm_safety, eps, dtype: see `MuonAdamW` and `orthogonalize`.
+        muon_eq, muon_plus: see `muon_direction`.
     """
     update = momentum_update_(grads, momentum_buffer, momentum, nesterov)
     update = muon_direction(
-        update, second_moment, beta2=beta2, coefficients=coefficients, norm_safety=norm_safety, eps=eps, dtype=dtype
+        update, second_moment, beta2=beta2, coefficients=coefficients, norm_safety=norm_safety, eps=eps, dtype=dtype,
+        muon_eq=muon_eq, muon_plus=muon_plus,
     )
     decay_weights_(params, update, lr, weight_decay, cautious_weight_decay)
     rows, cols = params.shape[-2:]
@@ -164,17 +170,26 @@ def muon_direction(
     norm_safety: float,
     eps: float,
     dtype: torch.dtype,
+    muon_eq: str | None = None,
+    muon_plus: bool = False,
 ) -> torch.Tensor:
-    """Polar Express on each whole matrix, then NorMuon (when `second_moment` and `beta2` are given).
+    """MuonEq (when `muon_eq`), Polar Express, Muon+ (when `muon_plus`) on each whole matrix, then NorMuon (when
+    `second_moment` and `beta2` are given).
 
     Args:
         update (`torch.Tensor` of shape `(k, rows, cols)` or `(rows, cols)`): the momentum (Nesterov) update.
         second_moment (`torch.Tensor` of shape `([k,] rows, 1)` or `([k,] 1, cols)`, fp32, or None): updated in place.
+        muon_eq: `equilibrate`'s mode (`"row"`, `"column"`) applied before orthogonalising, or None (off).
+        muon_plus: apply `renormalize` after orthogonalising.
 
     Returns:
         `torch.Tensor` of the update's shape: fp32 with NorMuon, else in `dtype`.
     """
+    if muon_eq is not None:
+        update = equilibrate(update, muon_eq)
     direction = orthogonalize(update, coefficients, norm_safety=norm_safety, eps=eps, dtype=dtype)
+    if muon_plus:
+        direction = renormalize(direction)
     if second_moment is not None and beta2 is not None:
         direction = normuon_rescale(direction, second_moment, beta2)
     return direction

@@ -1,10 +1,15 @@
 """L3GPT configuration: nanochat's GPT in transformers' names, plus Large Lookup Layers (arXiv 2601.21461)."""
 
+import copy
 import math
 
 from transformers import PreTrainedConfig
 
 WINDOW_LETTERS = {"S": "sliding_attention", "L": "full_attention"}
+
+# Fields added after L3GPT's first release (issue 17: nanochat master's dense core), with the value that a
+# config.json written before them stands for. `L3GPTConfig.from_dict` fills them in when a file lacks them.
+LEGACY_FIELD_VALUES = {"value_embedding_layers": [], "use_smear_gate": False, "use_backout": False}
 
 
 class L3GPTConfig(PreTrainedConfig):
@@ -41,6 +46,34 @@ class L3GPTConfig(PreTrainedConfig):
         tie_word_embeddings (`bool`, defaults to `False`): nanochat unties input and output embeddings.
         use_cache (`bool`, defaults to `True`): return a `DynamicCache` during generation.
 
+    nanochat master fields (karpathy/nanochat 92d63d4; each measured in its dev/LOG.md; on by default as there, off
+    when a `config.json` written before them is loaded, see [`L3GPTConfig.from_dict`]):
+        value_embedding_layers (`list[int]`, *optional*): decoder layers whose attention adds a gated value embedding
+            to its values (ResFormer-style value residual, arXiv 2410.17897; nanochat e85db6b after 9a88194, gate
+            constants from 6ed7d1d): `v ← v + 3·σ(W_g · h[:, :g]) ⊙ E_i[t]`, with `E_i` a `(vocab_size, kv_dim)` table
+            of layer i looked up by token id t (`kv_dim = num_key_value_heads * head_dim`), h the attention input
+            (the normed residual), `W_g` a `(num_key_value_heads, g)` gate giving one factor per key/value head in
+            (0, 3), g = `value_embedding_gate_channels`. Init: tables uniform with std 1/√C (as v_proj), `W_g`
+            uniform in [0, 0.02]. `None` means nanochat's `has_ve`: every other layer, ending with the last
+            (`i % 2 == (num_hidden_layers - 1) % 2`); `[]` turns value embeddings off. The tables are plain
+            `nn.Embedding`s read one row per token (no L3-style pair memory rules needed), lookups that
+            `flops_per_token` excludes, but large: at d12, 6 × 32768 × 768 = 151 M parameters, more than the dense
+            model's matrices.
+        value_embedding_gate_channels (`int`, defaults to 12): g above, the leading channels of h the gate reads.
+        use_smear_gate (`bool`, defaults to `True`): "smear" (nanochat a825e63): after the embedding norm, each token
+            mixes in the previous token's normed embedding, `x_t ← x_t + λ·σ(w · x_t[:s])·x_{t-1}` with `w` a
+            `(1, s)` gate (`smear.gate`, init uniform in [0, 0.02]), λ a learned scalar (`smear.smear_lambda`,
+            init 0, so a fresh model does not smear) and s = `smear_gate_channels`. Not applied at a position whose
+            `position_ids` is 0 (sequence start, left padding, each packed document's first token), so packed
+            documents stay independent as with hfl3's block-causal attention; nanochat, which packs without
+            position ids, smears across document boundaries. The result is also the x0 of `x0_lambdas`. Cached
+            decoding keeps the previous token's embedding in the `DynamicCache` (one extra layer, `hidden_size` values
+            per token).
+        smear_gate_channels (`int`, defaults to 24): s above.
+        use_backout (`bool`, defaults to `True`): "backout" (nanochat a825e63): before the final norm subtract
+            `backout_lambda` (learned scalar, init 0.2) times the residual stream after layer
+            `num_hidden_layers // 2` (after its L3 layer, if any): `h ← h − λ_b · h_mid`.
+
     Large Lookup Layer fields (paper §3; defaults off):
         l3_after_layers (`list[int]`, *optional*): decoder-layer indices after which an L3 layer is added to the
             residual stream. Empty or `None` means no L3 layer.
@@ -74,6 +107,11 @@ class L3GPTConfig(PreTrainedConfig):
     initializer_range: float = 0.001
     tie_word_embeddings: bool = False
     use_cache: bool = True
+    value_embedding_layers: list[int] | None = None
+    value_embedding_gate_channels: int = 12
+    use_smear_gate: bool = True
+    smear_gate_channels: int = 24
+    use_backout: bool = True
     l3_after_layers: list[int] | None = None
     l3_n_emb: int | None = None
     l3_k_max: int = 64
@@ -97,6 +135,10 @@ class L3GPTConfig(PreTrainedConfig):
             self.intermediate_size = 4 * self.hidden_size
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        if self.value_embedding_layers is None:
+            last = self.num_hidden_layers - 1
+            self.value_embedding_layers = [i for i in range(self.num_hidden_layers) if i % 2 == last % 2]
+        self.value_embedding_layers = sorted(set(self.value_embedding_layers))
         self.l3_after_layers = sorted(set(self.l3_after_layers or []))
         if self.l3_n_emb is None:
             self.l3_n_emb = 4 * self.vocab_size
@@ -117,12 +159,18 @@ class L3GPTConfig(PreTrainedConfig):
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        for index in self.l3_after_layers:
-            if not 0 <= index < self.num_hidden_layers:
-                raise ValueError(
-                    f"l3_after_layers contains {index}, outside 0..{self.num_hidden_layers - 1} "
-                    f"(num_hidden_layers={self.num_hidden_layers})"
-                )
+        for field in ("value_embedding_layers", "l3_after_layers"):
+            for index in getattr(self, field):
+                if not 0 <= index < self.num_hidden_layers:
+                    raise ValueError(
+                        f"{field} contains {index}, outside 0..{self.num_hidden_layers - 1} "
+                        f"(num_hidden_layers={self.num_hidden_layers})"
+                    )
+        for field, used in (("value_embedding_gate_channels", self.value_embedding_layers),
+                            ("smear_gate_channels", self.use_smear_gate)):  # fmt: skip
+            channels = getattr(self, field)
+            if used and not 1 <= channels <= self.hidden_size:
+                raise ValueError(f"{field}={channels} must be in 1..hidden_size={self.hidden_size}")
         if self.l3_k_max < 1:
             raise ValueError(f"l3_k_max={self.l3_k_max} must be >= 1")
         if self.l3_after_layers:
@@ -138,6 +186,23 @@ class L3GPTConfig(PreTrainedConfig):
                 )
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1")
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs) -> "L3GPTConfig":
+        """Build a config from a `config.json`'s dict (what `from_pretrained` and `AutoConfig` call).
+
+        A field of `LEGACY_FIELD_VALUES` missing from `config_dict` takes the value that describes the architecture
+        of files written before the field existed (nanochat master's features off), so an older checkpoint loads
+        with its own architecture and gives its own outputs; new configs (`L3GPTConfig(...)`, `from_depth`) get
+        the class defaults. Such a field passed as a keyword (`from_pretrained(path, use_smear_gate=True)`) goes
+        through `__init__`, so derived fields are resolved and validated as for a new config.
+        """
+        config_dict = {
+            **{key: copy.deepcopy(value) for key, value in LEGACY_FIELD_VALUES.items() if key not in config_dict},
+            **config_dict,
+            **{key: kwargs.pop(key) for key in LEGACY_FIELD_VALUES if key in kwargs},
+        }
+        return super().from_dict(config_dict, **kwargs)
 
     @classmethod
     def from_depth(

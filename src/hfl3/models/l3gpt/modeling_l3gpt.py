@@ -2,27 +2,27 @@
 ("L³: Large Lookup Layers", Tseng & De Sa, arXiv 2601.21461).
 
 Self-contained (relative imports only) so that the folder can be shipped as Hub remote code. File order follows
-transformers' modeling files: norm → rotary → attention → MLP → LargeLookupLayer → decoder layer →
-PreTrainedModel → base model → causal LM.
+transformers' modeling files: norm → attention → MLP → value embeddings and smear → LargeLookupLayer → decoder
+layer → PreTrainedModel → base model → causal LM; the rotary embeddings and the eager attention are in
+`attention_utils.py`.
 """
 
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .allocation import bounds_from_counts, uniform_allocation
+from .attention_utils import L3GPTRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 from .configuration_l3gpt import L3GPTConfig
 from .linear_cross_entropy import causal_lm_loss, register_zero3_owner
 
@@ -38,42 +38,10 @@ class L3GPTRMSNorm(nn.Module):
         return F.rms_norm(hidden_states, (hidden_states.size(-1),), eps=self.eps)
 
 
-class L3GPTRotaryEmbedding(nn.Module):
-    """Rotary position embedding (RoFormer, arXiv 2104.09864) with transformers' `rope_parameters`."""
-
-    def __init__(self, config: L3GPTConfig):
-        super().__init__()
-        self.config = config
-        self.rope_type = config.rope_parameters.get("rope_type", "default")
-        inv_freq, self.attention_scaling = self.rope_init_fn(config)
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @property
-    def rope_init_fn(self) -> Callable:
-        if self.rope_type == "default":
-            return self.compute_default_rope_parameters
-        return ROPE_INIT_FUNCTIONS[self.rope_type]
-
-    @staticmethod
-    def compute_default_rope_parameters(config: L3GPTConfig, **kwargs) -> tuple[torch.Tensor, float]:
-        """Inverse frequencies `base^(-2i/head_dim)`, shape `(head_dim // 2,)`, and the scaling 1.0."""
-        base = config.rope_parameters["rope_theta"]
-        dim = config.head_dim
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape `(batch_size, seq_len, head_dim)` for `position_ids` of shape `(batch_size, seq_len)`."""
-        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)  # (B, T, head_dim/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
-
-
 def with_init(module: nn.Module, scheme: str, scale: float = 0.0) -> nn.Module:
-    """Tag a Linear/Embedding with its init (`"uniform"` in ±scale, `"normal"` with std scale, `"zeros"`), applied by
-    `_init_weights`. The tag lives on the parameter-owning module because transformers v5 skips modules without
-    direct parameters when initialising remote-code models."""
+    """Tag a Linear/Embedding with its init (`"uniform"` in ±scale, `"positive_uniform"` in [0, scale], `"normal"`
+    with std scale, `"zeros"`), applied by `_init_weights`. The tag lives on the parameter-owning module because
+    transformers v5 skips modules without direct parameters when initialising remote-code models."""
     module.hfl3_init = (scheme, scale)
     return module
 
@@ -83,38 +51,10 @@ def uniform_bound(config: L3GPTConfig) -> float:
     return math.sqrt(3.0 / config.hidden_size)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Rotates half the hidden dims of the input."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Apply rotary embeddings to q and k of shape `(batch_size, heads, seq_len, head_dim)`."""
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
-
-
-def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """`(batch, kv_heads, seq_len, head_dim)` → `(batch, kv_heads * n_rep, seq_len, head_dim)`."""
-    batch, kv_heads, seq_len, head_dim = hidden_states.shape
-    if n_rep == 1:
-        return hidden_states
-    hidden_states = hidden_states[:, :, None].expand(batch, kv_heads, n_rep, seq_len, head_dim)
-    return hidden_states.reshape(batch, kv_heads * n_rep, seq_len, head_dim)
-
-
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Reference attention (softmax in float32); `attention_mask` is an additive float mask or None."""
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
-    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
-    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
-    return attn_output, attn_weights
+# nanochat 6ed7d1d: value-embedding gates are 3·sigmoid(·), in (0, 3), 1.5 at a zero gate input.
+VALUE_EMBEDDING_GATE_RANGE = 3.0
+# nanochat a825e63 (init fixed in 94b73ad): the backout scalar starts at 0.2.
+BACKOUT_LAMBDA_INIT = 0.2
 
 
 class L3GPTAttention(nn.Module):
@@ -138,14 +78,27 @@ class L3GPTAttention(nn.Module):
         self.qk_norm = L3GPTRMSNorm(config.rms_norm_eps)
         is_sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.sliding_window = config.sliding_window if is_sliding else None
+        self.value_embedding_gate = None
+        if layer_idx in config.value_embedding_layers:
+            gate = nn.Linear(config.value_embedding_gate_channels, config.num_key_value_heads, bias=False)
+            self.value_embedding_gate = with_init(gate, "positive_uniform", 0.02)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings, attention_mask, past_key_values=None, value_embeds=None, **kwargs
+    ):
+        """`value_embeds` (`(batch_size, seq_len, kv_dim)`): this layer's value embeddings of the tokens, added to the
+        values through the gate (see `L3GPTConfig.value_embedding_layers`); None when the layer has none."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         scale = self.config.qk_norm_scale
         query = (self.qk_norm(self.q_proj(hidden_states).view(hidden_shape)) * scale).transpose(1, 2)  # (B, H, T, D)
         key = (self.qk_norm(self.k_proj(hidden_states).view(hidden_shape)) * scale).transpose(1, 2)  # (B, Hkv, T, D)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hkv, T, D)
+        value = self.v_proj(hidden_states).view(hidden_shape)  # (B, T, Hkv, D)
+        if value_embeds is not None:
+            channels = self.value_embedding_gate.in_features
+            gate = VALUE_EMBEDDING_GATE_RANGE * torch.sigmoid(self.value_embedding_gate(hidden_states[..., :channels]))
+            value = value + gate[..., None] * value_embeds.view(hidden_shape).to(value.dtype)  # gate: (B, T, Hkv)
+        value = value.transpose(1, 2)  # (B, Hkv, T, D)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         if past_key_values is not None:
@@ -179,6 +132,54 @@ class L3GPTMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class L3GPTValueEmbeddings(nn.ModuleDict):
+    """Per-layer value-embedding tables, `str(layer) → nn.Embedding(vocab_size, kv_dim)`, for the layers of
+    `config.value_embedding_layers` (nanochat's `value_embeds`). Plain embeddings: a token reads one row per table,
+    so memory is that of a token embedding (the L3 layers' pair-based rules concern tables with many rows per token).
+    `hfl3.optim.param_groups_by_kind` recognises this class: the tables get their own AdamW group, as in nanochat."""
+
+    def __init__(self, config: L3GPTConfig):
+        kv_dim = config.num_key_value_heads * config.head_dim
+        super().__init__({
+            str(i): with_init(nn.Embedding(config.vocab_size, kv_dim), "uniform", uniform_bound(config))
+            for i in config.value_embedding_layers
+        })  # fmt: skip
+
+
+class L3GPTSmear(nn.Module):
+    """nanochat's smear (a825e63): `x_t ← x_t + λ·σ(gate(x_t[:s]))·x_{t-1}` on the normed embeddings, skipped where
+    `position_ids` is 0 (see `L3GPTConfig.use_smear_gate`). During cached decoding the previous token's normed
+    embedding comes from the cache, which keeps one extra layer for it (index `num_hidden_layers`; keys
+    `(batch_size, 1, seen_tokens, hidden_size)`, zero-width values), so beam reordering, batch expansion and cropping
+    move it with the keys and values. `hfl3.optim.param_groups_by_kind` recognises this class (nanochat's smear
+    group)."""
+
+    def __init__(self, config: L3GPTConfig):
+        super().__init__()
+        self.gate = with_init(nn.Linear(config.smear_gate_channels, 1, bias=False), "positive_uniform", 0.02)
+        self.smear_lambda = nn.Parameter(torch.zeros(1))
+        self.cache_layer_idx = config.num_hidden_layers
+
+    def previous_embedding(self, embeds: torch.Tensor, past_key_values: Cache | None) -> torch.Tensor | None:
+        """Record `embeds` `(batch_size, seq_len, hidden_size)` in the cache; return the embedding of the token before
+        them `(batch_size, 1, hidden_size)`, or None when there is no cache or nothing before them."""
+        if past_key_values is None:
+            return None
+        while len(past_key_values.layers) <= self.cache_layer_idx:
+            past_key_values.layers.append(DynamicLayer())
+        keys, _ = past_key_values.update(embeds[:, None], embeds[:, None, :, :0], self.cache_layer_idx)
+        seen = keys.shape[2] - embeds.shape[1]
+        return keys[:, 0, seen - 1 : seen] if seen > 0 else None
+
+    def forward(self, embeds, position_ids, previous=None):
+        """`embeds` `(batch_size, seq_len, hidden_size)` → same shape; `position_ids` `(batch_size or 1, seq_len)`."""
+        if previous is None:
+            previous = torch.zeros_like(embeds[:, :1])
+        shifted = torch.cat([previous.to(embeds.dtype), embeds[:, :-1]], dim=1)  # (B, T, C): token t-1 at t
+        gate = self.smear_lambda * torch.sigmoid(self.gate(embeds[..., : self.gate.in_features]))  # (B, T, 1)
+        return embeds + (gate * (position_ids > 0)[..., None]).to(embeds.dtype) * shifted
 
 
 # Attention implementations that apply causality themselves when given no mask (`is_causal` / `causal=True`).
@@ -318,9 +319,13 @@ class L3GPTDecoderLayer(GradientCheckpointingLayer):
         self.mlp = L3GPTMLP(config)
         self.norm = L3GPTRMSNorm(config.rms_norm_eps)
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+    def forward(
+        self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, value_embeds=None,
+        **kwargs,
+    ):
         attn_output, _ = self.self_attn(
-            self.norm(hidden_states), position_embeddings, attention_mask, past_key_values=past_key_values, **kwargs
+            self.norm(hidden_states), position_embeddings, attention_mask, past_key_values=past_key_values,
+            value_embeds=value_embeds, **kwargs,
         )
         hidden_states = hidden_states + attn_output
         return hidden_states + self.mlp(self.norm(hidden_states))
@@ -343,13 +348,16 @@ class L3GPTPreTrainedModel(PreTrainedModel):
         """nanochat's init (gpt.py `init_weights`), kept by transformers v5 which applies this to every module:
         embeddings and L3 tables N(0, 1); q/k/v and L3 up-projection uniform with std 1/√C; MLP up-projection at
         0.4× that; output projections (o_proj, down_proj, L3 mix_proj) zero; lm_head N(0, initializer_range =
-        0.001); resid_lambdas 1.15 → 1.05 and x0_lambdas 0.20 → 0.05 over depth; L3 bounds uniform until an
-        allocation is set. Per-module schemes come from `with_init` tags."""
+        0.001); resid_lambdas 1.15 → 1.05 and x0_lambdas 0.20 → 0.05 over depth; value-embedding tables as v_proj,
+        their gates and the smear gate uniform in [0, 0.02], smear_lambda 0, backout_lambda 0.2; L3 bounds uniform
+        until an allocation is set. Per-module schemes come from `with_init` tags."""
         scheme = getattr(module, "hfl3_init", None)
         if scheme is not None:
             kind, scale = scheme
             if kind == "uniform":
                 init.uniform_(module.weight, -scale, scale)
+            elif kind == "positive_uniform":
+                init.uniform_(module.weight, 0.0, scale)
             elif kind == "normal":
                 init.normal_(module.weight, std=scale)
             else:
@@ -359,6 +367,10 @@ class L3GPTPreTrainedModel(PreTrainedModel):
             init.copy_(module.resid_lambdas, torch.linspace(1.15, 1.05, depth))
             init.copy_(module.x0_lambdas, torch.linspace(0.20, 0.05, depth))
             init.copy_(module.l3_bounds, module.uniform_bounds())
+            if module.backout_lambda is not None:
+                init.constant_(module.backout_lambda, BACKOUT_LAMBDA_INIT)
+        elif isinstance(module, L3GPTSmear):
+            init.zeros_(module.smear_lambda)
         elif isinstance(module, L3GPTRotaryEmbedding):
             inv_freq, _ = module.rope_init_fn(module.config)
             init.copy_(module.inv_freq, inv_freq)
@@ -366,12 +378,17 @@ class L3GPTPreTrainedModel(PreTrainedModel):
 
 
 class L3GPTModel(L3GPTPreTrainedModel):
-    """The decoder stack. Per layer i: `h = resid_lambdas[i]·h + x0_lambdas[i]·x0` (x0 = normed embedding), the
-    decoder layer, then the L3 layer if `i in config.l3_after_layers`. Returns the final-normed hidden states."""
+    """The decoder stack. `x0 = smear(norm(embedding))`; per layer i: `h = resid_lambdas[i]·h + x0_lambdas[i]·x0`, the
+    decoder layer (with layer i's value embeddings, if any), then the L3 layer if `i in config.l3_after_layers`;
+    finally `h − backout_lambda·h_mid` (h_mid: h after layer `num_hidden_layers // 2`) and the final norm. Smear,
+    value embeddings and backout follow their config fields (see `L3GPTConfig`)."""
 
     def __init__(self, config: L3GPTConfig):
         super().__init__(config)
         self.embed_tokens = with_init(nn.Embedding(config.vocab_size, config.hidden_size), "normal", 1.0)
+        self.value_embeddings = L3GPTValueEmbeddings(config)
+        self.smear = L3GPTSmear(config) if config.use_smear_gate else None
+        self.backout_lambda = nn.Parameter(torch.full((1,), BACKOUT_LAMBDA_INIT)) if config.use_backout else None
         self.layers = nn.ModuleList(L3GPTDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.l3_layers = nn.ModuleDict({str(i): LargeLookupLayer(config) for i in config.l3_after_layers})
         self.norm = L3GPTRMSNorm(config.rms_norm_eps)
@@ -435,14 +452,15 @@ class L3GPTModel(L3GPTPreTrainedModel):
             `BaseModelOutputWithPast` with `last_hidden_state` `(batch_size, seq_len, hidden_size)` (final-normed).
 
         Raises:
-            ValueError: if both or neither of `input_ids` / `inputs_embeds` are given, or L3 layers lack `input_ids`.
+            ValueError: if both or neither of `input_ids` / `inputs_embeds` are given, or L3 layers or value
+                embeddings lack `input_ids`.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        elif len(self.l3_layers) and input_ids is None:
-            raise ValueError("L3 layers route by token id: pass input_ids, not inputs_embeds")
+        elif len(self.l3_layers) + len(self.value_embeddings) and input_ids is None:
+            raise ValueError("L3 layers and value embeddings read rows by token id: pass input_ids, not inputs_embeds")
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if use_cache and past_key_values is None:
@@ -472,20 +490,30 @@ class L3GPTModel(L3GPTPreTrainedModel):
                 mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
 
         hidden_states = self.norm(inputs_embeds)  # (B, T, C)
+        if self.smear is not None:
+            previous = self.smear.previous_embedding(hidden_states, past_key_values)
+            hidden_states = self.smear(hidden_states, position_ids, previous)
         x0 = hidden_states
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         routing = l3_routing(input_ids, self.l3_bounds) if len(self.l3_layers) else None
+        backout_layer = self.config.num_hidden_layers // 2 if self.backout_lambda is not None else None
         for i, layer in enumerate(self.layers):
             hidden_states = self.resid_lambdas[i] * hidden_states + self.x0_lambdas[i] * x0
+            value_embeds = self.value_embeddings[str(i)](input_ids) if str(i) in self.value_embeddings else None
             hidden_states = layer(
                 hidden_states,
                 attention_mask=mask_mapping[self.config.layer_types[i]],
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
+                value_embeds=value_embeds,  # (B, T, kv_dim) or None
                 **kwargs,
             )
             if str(i) in self.l3_layers:
                 hidden_states = self.l3_layers[str(i)](hidden_states, routing)
+            if i == backout_layer:
+                mid_stack = hidden_states
+        if backout_layer is not None:
+            hidden_states = hidden_states - self.backout_lambda.to(hidden_states.dtype) * mid_stack
         return BaseModelOutputWithPast(
             last_hidden_state=self.norm(hidden_states),
             past_key_values=past_key_values if use_cache else None,
@@ -568,4 +596,12 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
 
 
-__all__ = ["L3GPTForCausalLM", "L3GPTModel", "L3GPTPreTrainedModel", "LargeLookupLayer", "l3_routing"]
+__all__ = [
+    "L3GPTForCausalLM",
+    "L3GPTModel",
+    "L3GPTPreTrainedModel",
+    "L3GPTSmear",
+    "L3GPTValueEmbeddings",
+    "LargeLookupLayer",
+    "l3_routing",
+]
