@@ -139,7 +139,7 @@ def prefetch_routed_rows(input_ids: torch.LongTensor, l3_bounds: torch.LongTenso
     unique_starts = starts.new_empty(len(unique_ids)).scatter_(0, inverse, starts)
     unique_sizes = sizes.new_empty(len(unique_ids)).scatter_(0, inverse, sizes)
     fetched_starts = torch.cumsum(unique_sizes, 0) - unique_sizes  # first fetched row of each distinct token
-    row_shift = (fetched_starts - unique_starts)[inverse].to(device)  # (N,) fetched row = table row + shift
+    row_shift = (fetched_starts - unique_starts)[inverse]  # (N,) fetched row = table row + shift
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     fetched = {}
     for table in tables:
@@ -151,6 +151,7 @@ def prefetch_routed_rows(input_ids: torch.LongTensor, l3_bounds: torch.LongTenso
             ready = torch.cuda.Event()
             ready.record(stream)
         fetched[table] = FetchedRows(rows, ready)
+    row_shift = row_shift.to(device, non_blocking=True)  # after the copies are queued: no wait for this stream
     return L3Prefetch(routing.row_of_pair + row_shift[routing.token_of_pair], fetched)
 
 
