@@ -8,6 +8,7 @@ layer → PreTrainedModel → base model → causal LM; the rotary embeddings an
 """
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -25,6 +26,9 @@ from .allocation import bounds_from_counts, uniform_allocation
 from .attention_utils import L3GPTRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 from .configuration_l3gpt import L3GPTConfig
 from .linear_cross_entropy import causal_lm_loss, register_zero3_owner
+from .offload import (
+    HostTable, L3Prefetch, fetched_tables, host_tables, load_offloaded, offload_tables, prefetch_routed_rows,
+)
 
 
 class L3GPTRMSNorm(nn.Module):
@@ -191,11 +195,13 @@ class L3Routing(NamedTuple):
 
     token_of_pair: `(P,)` index into the flattened tokens; row_of_pair: `(P,)` row of the L3 tables;
     pair_offsets: `(N,)` index of each token's first pair (pairs are grouped by token, in order).
+    prefetch: the routed rows of offloaded tables, being fetched to the compute device (`L3GPTModel.route_l3`).
     """
 
     token_of_pair: torch.LongTensor
     row_of_pair: torch.LongTensor
     pair_offsets: torch.LongTensor
+    prefetch: L3Prefetch | None = None
 
 
 @torch.compiler.disable
@@ -284,11 +290,18 @@ class LargeLookupLayer(GradientCheckpointingLayer):
 
     @torch.compiler.disable
     def lookup(self, x: torch.Tensor, routing: L3Routing) -> torch.Tensor:
-        """`V_tᵀ softmax(K_t x / √C)` for normed hidden states `x` of shape `(N, C)`; returns `(N, C)`."""
+        """`V_tᵀ softmax(K_t x / √C)` for normed hidden states `x` of shape `(N, C)`; returns `(N, C)`.
+
+        Raises:
+            RuntimeError: for offloaded tables that would need gradients, or that the forward did not fetch.
+        """
         num_tokens, width = x.shape
+        value_table = self.key_table if self.value_table is None else self.value_table
+        keys, values, row_of_pair = self.key_table.weight, value_table.weight, routing.row_of_pair
+        if isinstance(self.key_table, HostTable):  # offloaded: the copies of the rows this forward fetched
+            keys, values, row_of_pair = fetched_tables(routing.prefetch, self.key_table, value_table)
         scores = _PairScores.apply(
-            x, self.key_table.weight, routing.token_of_pair, routing.row_of_pair, routing.pair_offsets,
-            self.pair_chunk_size,
+            x, keys, routing.token_of_pair, row_of_pair, routing.pair_offsets, self.pair_chunk_size
         ) * (width**-0.5)  # (P,)
         segment_max = scores.new_full((num_tokens,), -math.inf).scatter_reduce(
             0, routing.token_of_pair, scores.detach(), reduce="amax"
@@ -296,10 +309,8 @@ class LargeLookupLayer(GradientCheckpointingLayer):
         exp_scores = torch.exp(scores - segment_max[routing.token_of_pair])  # (P,)
         normaliser = scores.new_zeros(num_tokens).index_add(0, routing.token_of_pair, exp_scores)
         probs = exp_scores / normaliser[routing.token_of_pair]  # (P,)
-        value_table = self.key_table if self.value_table is None else self.value_table
         return F.embedding_bag(
-            routing.row_of_pair, value_table.weight, routing.pair_offsets, mode="sum",
-            per_sample_weights=probs.to(value_table.weight.dtype),
+            row_of_pair, values, routing.pair_offsets, mode="sum", per_sample_weights=probs.to(values.dtype)
         ).to(x.dtype)  # (N, C)
 
     def forward(self, hidden_states: torch.Tensor, routing: L3Routing) -> torch.Tensor:
@@ -376,6 +387,29 @@ class L3GPTPreTrainedModel(PreTrainedModel):
             init.copy_(module.inv_freq, inv_freq)
             init.copy_(module.original_inv_freq, inv_freq)
 
+    def offload_l3_tables(self, mmap_checkpoint: str | os.PathLike | None = None):
+        """Keep the L3 tables in CPU memory for inference; returns the model. Each forward fetches only the routed
+        tokens' rows, on CUDA on a side stream overlapped with the decoder layers before the L3 layer; outputs equal
+        the on-device model's. `mmap_checkpoint`: None = tables in RAM (pinned when CUDA is available); a folder or
+        `.safetensors` file `save_pretrained` wrote for these weights = tables memory-mapped from it. Later `.to()`
+        calls leave the tables in CPU memory. Inference only. When to use which: `offload.py`'s docstring.
+
+        Raises:
+            FileNotFoundError, KeyError, ValueError: `mmap_checkpoint` lacks the tables or they do not fit the model.
+        """
+        offload_tables(self.base_model.l3_layers, mmap_checkpoint)
+        return self
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, l3_offload: bool | str = False, **kwargs):
+        """transformers' `from_pretrained`, plus `l3_offload`: `True` or `"mmap"` loads on the CPU, offloads the L3
+        tables (`offload_l3_tables`; `"mmap"` maps them from the checkpoint's files) and moves the rest to
+        `device_map`'s one device, so the tables never occupy the accelerator. Raises `ValueError` for another
+        `l3_offload` value or a `device_map` over several devices."""
+        if not l3_offload:
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        return load_offloaded(super().from_pretrained, pretrained_model_name_or_path, model_args, kwargs, l3_offload)
+
 
 class L3GPTModel(L3GPTPreTrainedModel):
     """The decoder stack. `x0 = smear(norm(embedding))`; per layer i: `h = resid_lambdas[i]·h + x0_lambdas[i]·x0`, the
@@ -427,6 +461,14 @@ class L3GPTModel(L3GPTPreTrainedModel):
     def l3_counts(self) -> torch.LongTensor:
         """Rows owned by each token, `(vocab_size,)`."""
         return self.l3_bounds[1:] - self.l3_bounds[:-1]
+
+    def route_l3(self, input_ids: torch.LongTensor) -> L3Routing:
+        """`l3_routing` of `input_ids` for every L3 layer; with offloaded tables (`offload_l3_tables`) it also starts
+        fetching the routed rows to `input_ids`' device (on CUDA asynchronously, on a side stream)."""
+        routing, tables = l3_routing(input_ids, self.l3_bounds), host_tables(self.l3_layers)
+        if not tables:
+            return routing
+        return routing._replace(prefetch=prefetch_routed_rows(input_ids, self.l3_bounds, routing, tables))
 
     def forward(
         self,
@@ -495,7 +537,7 @@ class L3GPTModel(L3GPTPreTrainedModel):
             hidden_states = self.smear(hidden_states, position_ids, previous)
         x0 = hidden_states
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        routing = l3_routing(input_ids, self.l3_bounds) if len(self.l3_layers) else None
+        routing = self.route_l3(input_ids) if len(self.l3_layers) else None
         backout_layer = self.config.num_hidden_layers // 2 if self.backout_lambda is not None else None
         for i, layer in enumerate(self.layers):
             hidden_states = self.resid_lambdas[i] * hidden_states + self.x0_lambdas[i] * x0
