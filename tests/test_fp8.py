@@ -497,8 +497,8 @@ AO_TRAIN_SCRIPT = textwrap.dedent('''
 @pytest.mark.slow
 def test_accelerate_ao_yaml_trains_and_saves_plain_checkpoint(tmp_path, repo_root, assets):
     """`accelerate launch --config_file accelerate_configs/fp8_ao.yaml` + HF Trainer on CPU: accelerate accepts the
-    file, torchao converts with accelerate's default filter (only the first and last nn.Linear kept: layer 0's
-    k_proj/v_proj *are* converted), loss falls, and save_model writes a checkpoint a plain L3GPT loads."""
+    file, torchao converts with accelerate's default filter (only the first and last nn.Linear kept: the first is
+    L3GPT's smear gate, so layer 0's q/k/v_proj *are* converted — hfl3's own rules keep them), loss falls, and save_model writes a checkpoint a plain L3GPT loads."""
     script = tmp_path / "ao_train.py"
     script.write_text(AO_TRAIN_SCRIPT)
     run = subprocess.run(
@@ -511,7 +511,7 @@ def test_accelerate_ao_yaml_trains_and_saves_plain_checkpoint(tmp_path, repo_roo
     result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert result["ao"] == {"backend": "AO", "recipe": "tensorwise", "enable_fsdp_float8_all_gather": False,
                             "pad_inner_dim": True}
-    accelerate_default = ["model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"] + EXPECTED_CONVERTED
+    accelerate_default = [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")] + EXPECTED_CONVERTED
     assert sorted(result["converted"]) == sorted(accelerate_default)
     losses = result["losses"]
     assert len(losses) == 8 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 0.5, losses

@@ -128,8 +128,8 @@ def check_ao_backend(training_args, model: nn.Module | None = None) -> dict | No
 def ao_recipe_kwargs(model: nn.Module, recipe: str = "tensorwise"):
     """accelerate `AORecipeKwargs` that convert exactly the layers `select_float8_layers(model)` picks.
 
-    accelerate's own default filter keeps only the first and last `nn.Linear` (so layer 0's `k_proj`/`v_proj` and
-    layers smaller than 128 become FP8); pass this in `Accelerator(kwargs_handlers=[...])` (with the HF Trainer:
+    accelerate's own default filter keeps only the first and last `nn.Linear` (for an L3GPT with smear: the smear
+    gate and `lm_head`, so layer 0's `q_proj`/`k_proj`/`v_proj` and layers smaller than 128 become FP8); pass this in `Accelerator(kwargs_handlers=[...])` (with the HF Trainer:
     append it to `kwargs_handlers` in an override of `Trainer._build_accelerator_args`) to apply hfl3's rules to the
     torchao backend as well. float8 all-gather stays off (see `check_ao_backend`). Note that torchao's "rowwise"
     recipe casts gradients to e4m3 with power-of-two scales, where hfl3's rowwise uses e5m2.

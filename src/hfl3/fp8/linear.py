@@ -259,10 +259,11 @@ def first_and_last_projections(model: nn.Module) -> tuple[set[str], set[str]]:
 
     - **last**: the output head, i.e. `model.get_output_embeddings()` when the model has that method and it
       returns an `nn.Linear` (a transformers `lm_head`); otherwise the last `nn.Linear` in `named_modules()` order.
-    - **first**: the projections that read the embedding output. When the first `nn.Linear` in `named_modules()`
-      order is named `q_proj`, `k_proj` or `v_proj`, these are all three of them in that module (for an L3GPT,
-      Llama or Qwen3: `model.layers.0.self_attn.{q,k,v}_proj`; `o_proj` and the MLP of layer 0 read attention
-      outputs and are not "first"); otherwise that first `nn.Linear` alone (accelerate's
+    - **first**: the projections that read the embedding output. When the model has `nn.Linear`s named `q_proj`,
+      `k_proj` or `v_proj`, these are the ones of the first module holding any (for an L3GPT, Llama or Qwen3:
+      `model.layers.0.self_attn.{q,k,v}_proj`; `o_proj` and the MLP of layer 0 read attention outputs and are not
+      "first"; L3GPT's smear gate, registered before the layers, reads the embedding too but is 24 → 1 and never
+      converted); otherwise the first `nn.Linear` in `named_modules()` order alone (accelerate's
       `find_first_last_linear_layers` rule).
 
     Returns:
@@ -274,10 +275,10 @@ def first_and_last_projections(model: nn.Module) -> tuple[set[str], set[str]]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_names = [name for name, module in model.named_modules() if head is not None and module is head]
     last = {head_names[0]} if head_names and isinstance(head, nn.Linear) else {linears[-1]}
-    parent, _, leaf = linears[0].rpartition(".")
-    if leaf in ATTENTION_INPUT_PROJECTIONS:
-        candidates = {f"{parent}.{p}" if parent else p for p in ATTENTION_INPUT_PROJECTIONS}
-        first = {name for name in linears if name in candidates}
+    attention_inputs = [name for name in linears if name.rpartition(".")[2] in ATTENTION_INPUT_PROJECTIONS]
+    if attention_inputs:
+        parent = attention_inputs[0].rpartition(".")[0]
+        first = {name for name in attention_inputs if name.rpartition(".")[0] == parent}
     else:
         first = {linears[0]}
     return first, last
