@@ -292,7 +292,7 @@ def test_pretraining_stops_at_the_first_non_finite_step(tmp_path, tokenizer, sha
                            callbacks=[Poison(step, lambda model: model.lm_head.weight, after)])
     with pytest.raises(NonFiniteTrainingError, match=message) as error:
         trainer.train()
-    newest = f"the newest checkpoint, {checkpoints[-1]}, is from before it" if checkpoints else "no checkpoint was saved"
+    newest = f"the newest checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was saved"
     assert newest in str(error.value) and "Lower --learning_rate (now 0.001)" in str(error.value)
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == checkpoints
     assert assert_all_saved_tensors_finite(tmp_path) == 2 * len(checkpoints)
@@ -329,7 +329,7 @@ def test_a_diverging_launch_exits_non_zero_and_keeps_the_last_good_checkpoint(re
     assert run.returncode != 0
     error = next(line for line in run.stderr.splitlines() if "pretrain.py: error: " in line)
     assert "training diverged at step 3: the loss and the gradient norm became NaN or infinite" in error
-    assert "the newest checkpoint, checkpoint-2, is from before it" in error
+    assert "the newest checkpoint is checkpoint-2" in error
     assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-2"]
     assert not (output_dir / "model.safetensors").exists()
     assert assert_all_saved_tensors_finite(output_dir) == 3  # the weights, the optimizer and the data stream state

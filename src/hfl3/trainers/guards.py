@@ -112,6 +112,10 @@ class NonFiniteGuard:
             first = self._nonfinite_slot(name, self.args.device)
             first.masked_fill_(first < 0, step)
 
+    def train(self, *args, **kwargs):
+        self._nonfinite_first = None  # a new run (or a resumed one) starts clean
+        return super().train(*args, **kwargs)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._record_nonfinite("loss", loss)
@@ -139,9 +143,9 @@ class NonFiniteGuard:
         names = ["loss", "gradient norm"]
         flags = [self._nonfinite_slot(name, device).to(device) for name in names]
         if parameters:
-            local = [_local(p.detach()) for p in self.model.parameters()]
-            finite = torch.stack([torch.isfinite(p).all().to(device) for p in local if p.numel()]).all() \
-                if local else torch.ones((), dtype=torch.bool, device=device)
+            # ZeRO-3 leaves empty placeholders here (the shards live in the engine's flat buffers)
+            checks = [torch.isfinite(_local(p.detach())).all().to(device) for p in self.model.parameters() if p.numel()]
+            finite = torch.stack(checks).all() if checks else torch.ones((), dtype=torch.bool, device=device)
             names.append("parameters")
             flags.append(torch.where(finite, -1, self.state.global_step))
         steps = torch.stack(flags)  # (k,)
@@ -162,8 +166,7 @@ class NonFiniteGuard:
         newest = None
         if os.path.isdir(self.args.output_dir):
             newest = get_last_checkpoint(self.args.output_dir)
-        kept = f"the newest checkpoint, {os.path.basename(newest)}, is from before it" if newest else \
-            "no checkpoint was saved"
+        kept = f"the newest checkpoint is {os.path.basename(newest)}" if newest else "no checkpoint was saved"
         return (f"training diverged at step {first}: {' and '.join(parts)} became NaN or infinite; stopped at step "
                 f"{self.state.global_step} before logging or saving anything from the diverged run ({kept}). Lower "
                 f"--learning_rate (now {self.args.learning_rate:g}), raise --warmup_steps (now "
