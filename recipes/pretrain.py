@@ -39,6 +39,7 @@ from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
+from hfl3.trainers.guards import exit_on_training_error
 from hfl3.trainers.launch import check_world_size, parse_recipe_args
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 
@@ -148,8 +149,8 @@ def prepare_data(script_args: ScriptArguments, training_args: PretrainConfig, ma
     eval_rows, eval_report, eval_counts = PackedStream(
         eval_documents, tokenizer, max_seq_len, max_chars, script_args.packing_buffer, shuffle_buffer=0
     ).materialize(script_args.max_eval_rows)
-    logger.info("validation: %d rows from %d documents (cropped %.2f%%)", len(eval_rows), eval_counts["documents"],
-                100 * eval_report.cropped_share)
+    logger.info("validation: %d rows from %d documents (cropped %.2f%%, %d duplicate documents dropped)",
+                len(eval_rows), eval_counts["documents"], 100 * eval_report.cropped_share, eval_counts["duplicates"])
     if not len(eval_rows):
         raise ValueError(f"no full validation row of {max_seq_len} tokens ({eval_counts['documents']} documents); "
                          "raise --val_fraction, pass --eval_dataset or lower --max_seq_len")
@@ -171,7 +172,9 @@ def data_metadata(script_args: ScriptArguments, data: PretrainData, consumed: di
                                       "int64 little-endian) over its consumed batches, across resumes",
         "split": {**split, "validation_documents": data.eval_counts["documents"],
                   "validation_rows": len(data.eval_rows), "training_documents_read": consumed["documents"],
-                  "held_out_documents_skipped": consumed["held_out_documents"]},
+                  "held_out_documents_skipped": consumed["held_out_documents"],
+                  "duplicate_documents_skipped": consumed["duplicate_documents"],
+                  "validation_duplicate_documents_skipped": data.eval_counts["duplicates"]},
         "packing": {"train": consumed["packing"], "validation": data.eval_report.as_dict()},
         "stream": {"shuffle_buffer": script_args.shuffle_buffer, "packing_buffer": script_args.packing_buffer,
                    "ranks": consumed["ranks"]},
@@ -238,6 +241,8 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
     trainer.save_metrics("all", metrics)
     trainer.save_model(training_args.output_dir)  # every rank: under ZeRO-3 the weights are gathered collectively
     consumed = trainer.stream_summary()  # every rank: gathers what each one trained on
+    logger.info("training stream: %d documents read, %d held out, %d duplicates within a shard dropped",
+                consumed["documents"], consumed["held_out_documents"], consumed["duplicate_documents"])
     if is_deepspeed_zero3_enabled():  # training is over: finish_folder's reload on the main process alone must not
         unset_hf_deepspeed_config()  # partition the model with zero.Init (a collective: it would hang or crash)
     if trainer.is_world_process_zero():
@@ -279,4 +284,5 @@ def finish_folder(output_dir: str, metadata: dict, metrics: dict, prompt: str) -
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(*parse_recipe_args(make_parser()))
+    with exit_on_training_error():  # a NaN/inf loss: one error line, exit status 1
+        main(*parse_recipe_args(make_parser()))

@@ -45,6 +45,7 @@ from trl import TrlParser
 
 from hfl3.callbacks import save_loss_plot
 from hfl3.provenance import push_folder_to_hub, write_json_atomic
+from hfl3.trainers.guards import exit_on_training_error
 from hfl3.trainers.launch import check_world_size, parse_recipe_args
 from hfl3.trainers.sft import (
     SFTLoRAConfig,
@@ -150,4 +151,5 @@ def make_parser(subparsers=None):
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     script_args, training_args, model_args = parse_recipe_args(make_parser())
-    main(script_args, training_args, model_args)
+    with exit_on_training_error():  # a NaN/inf loss: one error line, exit status 1
+        main(script_args, training_args, model_args)

@@ -4,12 +4,16 @@
 
 Input: one JSON object per line, `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}`
 (other top-level keys such as `id` are ignored). Every line is validated; a bad line stops the run with
-`file:line: reason` or, with `skip_invalid_records=True`, is skipped and counted (`ChatDataStats`).
+`file:line: reason` or, with `skip_invalid_records=True`, is skipped and counted (`ChatDataStats`). A UTF-8 byte
+order mark at the start of a line is dropped (files concatenated from BOM-prefixed ones have one on several lines).
+Records with the same messages as an earlier one are dropped and counted (`messages_sha256`,
+`hfl3.data.masks.encode_records`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -19,11 +23,12 @@ from pathlib import Path
 ROLES = ("system", "user", "assistant")
 MESSAGE_KEYS = frozenset({"role", "content"})
 MAX_LOGGED_ERRORS = 10
+BOM = b"\xef\xbb\xbf"
 
 
 class InvalidChatRecord(ValueError):
-    """A chat record that cannot be trained on. `str(error)` is `"{where}: {reason}"`; `kind` is `"malformed"` or
-    `"no_assistant"` (the `ChatDataStats` counter a skipped record goes to)."""
+    """A chat record that cannot be trained on. `str(error)` is `"{where}: {reason}"`; `kind` is `"malformed"`,
+    `"no_assistant"` or `"duplicates"` (the `ChatDataStats` counter a skipped record goes to)."""
 
     def __init__(self, where: str, reason: str, kind: str = "malformed"):
         super().__init__(f"{where}: {reason}")
@@ -38,8 +43,11 @@ class ChatDataStats:
         read: non-blank lines (records) seen.
         malformed: records skipped as invalid (bad JSON or UTF-8, bad structure, template refusal, ...).
         no_assistant: records skipped because no message has role `assistant`.
+        duplicates: records dropped because their messages equal those of an earlier kept record (in the same file,
+            or, for an evaluation file, in the training file; `hfl3.data.masks.encode_records`).
         dropped_after_truncation: records whose supervised tokens all fell beyond `max_length`.
-        kept: records that became training rows; `read = malformed + no_assistant + dropped_after_truncation + kept`.
+        kept: records that became training rows;
+            `read = malformed + no_assistant + duplicates + dropped_after_truncation + kept`.
         truncated: kept rows that were cut to `max_length`.
         tokens: tokens in the kept rows (after truncation).
         supervised_tokens: tokens with a label in the kept rows (`labels != -100`).
@@ -49,6 +57,7 @@ class ChatDataStats:
     read: int = 0
     malformed: int = 0
     no_assistant: int = 0
+    duplicates: int = 0
     dropped_after_truncation: int = 0
     kept: int = 0
     truncated: int = 0
@@ -80,8 +89,10 @@ def validate_messages(obj: object, where: str) -> tuple[dict, ...]:
     Raises:
         InvalidChatRecord: naming `where` and the fix, for a record that is not an object, has no `messages` list,
             a message that is not an object, has unsupported keys, an unknown role, non-string or blank content;
-            `kind="no_assistant"` when no message is from the assistant; and when the conversation does not end
-            with an assistant message (trailing turns would never be trained on).
+            `kind="no_assistant"` when no message is from the assistant; when the first message after the optional
+            system prompt is not the user's (chat templates and the masks expect a reply to follow a user turn);
+            and when the conversation does not end with an assistant message (trailing turns would never be
+            trained on).
     """
     if not isinstance(obj, dict):
         raise InvalidChatRecord(where, f"expected a JSON object with a 'messages' list, got {type(obj).__name__}")
@@ -112,6 +123,13 @@ def validate_messages(obj: object, where: str) -> tuple[dict, ...]:
         clean.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in clean):
         raise InvalidChatRecord(where, "no assistant message; nothing to train on", kind="no_assistant")
+    opening = next(i for i, m in enumerate(clean) if m["role"] != "system")
+    if clean[opening]["role"] != "user":
+        raise InvalidChatRecord(
+            where,
+            f"message {opening} is from the {clean[opening]['role']}, but a conversation starts with a user message "
+            "(after an optional system message): add the user turn it answers, or fold it into the system prompt",
+        )
     if clean[-1]["role"] != "assistant":
         raise InvalidChatRecord(
             where,
@@ -124,7 +142,7 @@ def validate_messages(obj: object, where: str) -> tuple[dict, ...]:
 def read_chat_jsonl(
     path: str | os.PathLike, *, skip_invalid_records: bool = False, stats: ChatDataStats | None = None
 ) -> list[ChatRecord]:
-    """Read and validate a chat JSONL file. Blank lines are ignored; a UTF-8 BOM at the start is allowed.
+    """Read and validate a chat JSONL file. Blank lines are ignored; a UTF-8 BOM starting a line is dropped.
 
     Args:
         path: the file.
@@ -139,8 +157,8 @@ def read_chat_jsonl(
     records = []
     with open(path, "rb") as f:
         for line_number, raw in enumerate(f, start=1):
-            if line_number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
+            if raw.startswith(BOM):
+                raw = raw[len(BOM) :]
             if not raw.strip():
                 continue
             stats.read += 1
@@ -162,6 +180,12 @@ def read_chat_jsonl(
                     raise
                 stats.count_skip(error)
     return records
+
+
+def messages_sha256(messages) -> bytes:
+    """32-byte digest of a conversation's messages (roles and contents, exactly): records with equal digests are
+    duplicates (`ChatDataStats.duplicates`)."""
+    return hashlib.sha256(json.dumps(list(messages), ensure_ascii=False).encode("utf-8")).digest()
 
 
 def write_chat_jsonl(chats: Iterable[dict], path: str | os.PathLike) -> Path:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from hfl3.data.chat import ChatDataStats, ChatRecord, InvalidChatRecord
+from hfl3.data.chat import ChatDataStats, ChatRecord, InvalidChatRecord, messages_sha256
 
 @dataclass
 class EncodedChat:
@@ -137,8 +137,15 @@ def encode_records(
     *,
     skip_invalid_records: bool = False,
     stats: ChatDataStats | None = None,
+    seen: dict[bytes, str] | None = None,
 ) -> tuple[list[ChatRecord], list[list[int]], list[list[int]]]:
-    """Mask, truncate (keep the first `max_length` tokens) and filter records.
+    """Mask, truncate (keep the first `max_length` tokens) and filter records, dropping exact duplicates.
+
+    With `seen` (digest → `file:line` of earlier kept records, updated with the kept ones: one 32-byte digest per
+    record; `load_sft_data` passes one), a record whose messages equal those of an earlier kept record
+    (`messages_sha256`) is dropped and counted in `stats.duplicates`, its reason being `file:line: same messages as
+    file:line`. A record that is itself skipped (invalid, or no supervised token left) does not make its repeats
+    duplicates: they are skipped for the same reason.
 
     Returns:
         `(kept_records, input_ids, labels)`, aligned lists. A row whose labels are all -100 after truncation
@@ -151,6 +158,10 @@ def encode_records(
     stats = stats if stats is not None else ChatDataStats()
     kept, all_ids, all_labels = [], [], []
     for record in records:
+        digest = messages_sha256(record.messages) if seen is not None else None
+        if seen is not None and digest in seen:
+            stats.count_skip(InvalidChatRecord(record.where, f"same messages as {seen[digest]}", kind="duplicates"))
+            continue
         try:
             encoded = masker.encode(record.messages, record.where)
         except InvalidChatRecord as error:
@@ -172,6 +183,8 @@ def encode_records(
         stats.truncated += truncated
         stats.tokens += len(ids)
         stats.supervised_tokens += supervised
+        if seen is not None:
+            seen[digest] = record.where
         kept.append(record)
         all_ids.append(ids)
         all_labels.append(labels)

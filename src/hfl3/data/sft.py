@@ -1,5 +1,5 @@
-"""Chat JSONL → SFT datasets with provenance (`load_sft_data`): read and validate (`hfl3.data.chat`), mask and
-truncate (`hfl3.data.masks`), split, hash.
+"""Chat JSONL → SFT datasets with provenance (`load_sft_data`): read and validate (`hfl3.data.chat`), drop exact
+duplicates, mask and truncate (`hfl3.data.masks`), split, hash.
 
 The rows are a `datasets.Dataset` with `input_ids` and `labels` (-100 off the loss), which TRL's `SFTTrainer` uses
 as is.
@@ -50,12 +50,15 @@ def split_indices(n: int, val_split: float, seed: int) -> tuple[list[int], list[
     return [i for i in range(n) if i not in val_set], val
 
 
-def _encode_file(path, masker, max_length, skip_invalid_records) -> tuple[list, list, list, ChatDataStats]:
+def _encode_file(path, masker, max_length, skip_invalid_records, seen) -> tuple[list, list, list, ChatDataStats]:
     stats = ChatDataStats()
     records = read_chat_jsonl(path, skip_invalid_records=skip_invalid_records, stats=stats)
     kept, ids, labels = encode_records(
-        records, masker, max_length, skip_invalid_records=skip_invalid_records, stats=stats
+        records, masker, max_length, skip_invalid_records=skip_invalid_records, stats=stats, seen=seen
     )
+    if stats.duplicates:
+        logger.warning("%s: dropped %d record(s) whose messages repeat an earlier record's (counted as duplicates)",
+                       path, stats.duplicates)
     logger.info("%s: %s", path, {k: v for k, v in stats.as_dict().items() if k != "first_errors"})
     for error in stats.first_errors:
         logger.warning("skipped %s", error)
@@ -84,10 +87,12 @@ def load_sft_data(
 ) -> SFTData:
     """Read, validate, mask and truncate chat JSONL into train/eval datasets with their provenance.
 
-    The evaluation rows come from `eval_file` or, with `val_split > 0`, from a disjoint seeded split of the kept
-    training rows (`split_indices`); with neither, `eval` is None. `provenance` holds `train_records_sha256` /
-    `eval_records_sha256` (`sha256_records` of the kept messages in dataset order), the files' sha256, the split
-    seed and the sizes.
+    Records whose messages repeat an earlier record's are dropped and counted (`ChatDataStats.duplicates`) before
+    the split, so no conversation is in both train and eval; an `eval_file` record that repeats a training record is
+    dropped the same way. The evaluation rows come from `eval_file` or, with `val_split > 0`, from a disjoint seeded
+    split of the kept training rows (`split_indices`); with neither, `eval` is None. `provenance` holds
+    `train_records_sha256` / `eval_records_sha256` (`sha256_records` of the kept messages in dataset order), the
+    files' sha256, the split seed, the sizes and the counts (`ChatDataStats` per file).
 
     Raises:
         InvalidChatRecord: for the first bad record, unless `skip_invalid_records`.
@@ -96,7 +101,8 @@ def load_sft_data(
     if eval_file is not None and val_split:
         raise ValueError("give either eval_file or val_split, not both")
     masker = AssistantMasker(tokenizer, chat_template)
-    records, ids, labels, train_stats = _encode_file(train_file, masker, max_length, skip_invalid_records)
+    seen = {}  # sha256 of the kept training records' messages -> file:line
+    records, ids, labels, train_stats = _encode_file(train_file, masker, max_length, skip_invalid_records, seen)
     stats = {"train_file": train_stats}
     files = {str(train_file): sha256_file(train_file)}
     if val_split:
@@ -108,7 +114,7 @@ def load_sft_data(
         eval_records, evaluation = [], None
     if eval_file is not None:
         eval_records, eval_ids, eval_labels, stats["eval_file"] = _encode_file(
-            eval_file, masker, max_length, skip_invalid_records
+            eval_file, masker, max_length, skip_invalid_records, seen
         )
         evaluation = _rows(eval_ids, eval_labels, range(len(eval_records)))
         files[str(eval_file)] = sha256_file(eval_file)

@@ -12,6 +12,10 @@
   streaming=True)`).
 A `datasets` source has one shard per data file, and per row group of a parquet file (`IterableDataset.reshard`).
 
+A UTF-8 byte order mark at the start of a text file is dropped. A local file whose bytes equal an earlier file's (same
+sha256; or a file of the held-out `exclude` corpus) is left out and listed under `duplicate_files`; documents that
+repeat within a shard are dropped by the stream (`hfl3.data.streaming.DocumentSource`).
+
 Nothing is loaded whole: text files are read in 1 MiB blocks (a document is in memory only while it is cut into
 pieces), the `datasets` shards stream record batches. Each local file is inspected once when the corpus is opened
 (size, sha256, and for text: UTF-8 and not empty), streaming its bytes.
@@ -108,6 +112,8 @@ class TextShard(Shard):
                 carry, offset = window[begin:], offset + begin
 
     def _decode(self, data: bytes, offset: int) -> str:
+        if offset == 0 and data.startswith(codecs.BOM_UTF8):  # a byte order mark, not text
+            data = data[len(codecs.BOM_UTF8) :]
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as error:
@@ -189,13 +195,15 @@ class Corpus:
     shards: list[Shard] = field(default_factory=list)
     files: list[SourceFile] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    duplicates: dict[str, str] = field(default_factory=dict)
     datasets: list[dict] = field(default_factory=list)
     local_paths: set[Path] = field(default_factory=set, repr=False)
 
     def report(self) -> dict:
-        """JSON-safe: the spec, every local file (name, bytes, sha256), skipped files and `datasets` sources."""
+        """JSON-safe: the spec, every local file (name, bytes, sha256), skipped and duplicate files (name → reason,
+        name → the file it repeats) and `datasets` sources."""
         return {"source": self.spec, "shards": len(self.shards), "files": [vars(f) for f in self.files],
-                "skipped_files": self.skipped, "datasets": self.datasets}
+                "skipped_files": self.skipped, "duplicate_files": self.duplicates, "datasets": self.datasets}
 
 
 def open_corpus(spec: str, text_column: str = "text", split: str = "train", dataset_config: str | None = None,
@@ -214,26 +222,36 @@ def open_corpus(spec: str, text_column: str = "text", split: str = "train", data
         exclude: a corpus whose local files are left out (the held-out validation source).
 
     Raises:
-        FileNotFoundError: a local entry that matches no file.
+        FileNotFoundError: a local entry that matches no file (the message lists the suffixes that are read, and
+            those found in the folder).
         ValueError: a text file that is not UTF-8 or empty (unless `skip_invalid`), or an empty corpus.
     """
     corpus = Corpus(spec)
     excluded = exclude.local_paths if exclude else set()
+    excluded_sha256 = {f.sha256: f"{f.name} (held out)" for f in exclude.files} if exclude else {}
     for entry in filter(None, (part.strip() for part in spec.split(","))):
         if entry == "stdlib":
             root = Path(sysconfig.get_paths()["stdlib"])
             files = [(path, path.relative_to(root).as_posix()) for path in stdlib_files()]
-            _add_files(corpus, files, None, True, text_column, excluded)
+            _add_files(corpus, files, None, True, text_column, excluded, excluded_sha256)
         elif _is_local(entry):
             files = _expand(entry)
             separator = (BLANK_LINES if len(files) == 1 else None) if document_separator is None \
                 else document_separator or None
-            _add_files(corpus, files, separator, skip_invalid, text_column, excluded)
+            _add_files(corpus, files, separator, skip_invalid, text_column, excluded, excluded_sha256)
+        elif Path(entry).expanduser().is_dir():
+            try:
+                _add_datasets(corpus, DatasetsSource(entry, entry, text_column, dataset_config, split))
+            except datasets.exceptions.DataFilesNotFoundError:
+                raise FileNotFoundError(_no_file_message(entry)) from None
         else:
             _add_datasets(corpus, DatasetsSource(entry, entry, text_column, dataset_config, split))
     if corpus.skipped:
         logger.warning("corpus %s: skipped %d file(s) (listed in the metadata)", spec, len(corpus.skipped))
         logger.debug("skipped: %s", corpus.skipped)
+    if corpus.duplicates:
+        logger.warning("corpus %s: left out %d file(s) identical to another one (listed in the metadata)", spec,
+                       len(corpus.duplicates))
     if not corpus.shards:
         raise ValueError(f"corpus {spec!r} has no readable file (skipped: {corpus.skipped or 'none'})")
     return corpus
@@ -259,12 +277,24 @@ def _expand(entry: str) -> list[tuple[Path, str]]:
         parts = path.parts
         root = Path(*parts[: next(i for i, part in enumerate(parts) if glob.has_magic(part))] or ["."])
     if not matches:
-        raise FileNotFoundError(f"{entry!r} matches no file")
+        raise FileNotFoundError(_no_file_message(entry))
     return [(p, p.relative_to(root).as_posix() if p.is_relative_to(root) else p.name) for p in matches]
 
 
+def _no_file_message(entry: str) -> str:
+    """`entry` matches no file: which suffixes are read, and which the folder (or the glob's folder) holds."""
+    path = Path(entry).expanduser()
+    folder = path if path.is_dir() else Path(*path.parts[: next((i for i, part in enumerate(path.parts)
+                                                                  if glob.has_magic(part)), len(path.parts) - 1)])
+    found = sorted({p.suffix or p.name for p in folder.iterdir() if p.is_file()}) if folder.is_dir() else []
+    return (f"{entry!r} matches no file: a --dataset entry reads {', '.join(LOCAL_SUFFIXES)} files (suffixes are "
+            f"case-sensitive), a folder's own such files, or a `datasets` folder; {folder} holds "
+            f"{', '.join(found) or 'no file'}: rename or convert the files")
+
+
 def _add_files(corpus: Corpus, files: list[tuple[Path, str]], separator: str | None, skip_invalid: bool,
-               text_column: str, excluded: set[Path]) -> None:
+               text_column: str, excluded: set[Path], excluded_sha256: dict[str, str]) -> None:
+    first_with = dict(excluded_sha256)  # sha256 -> the name of the first file with those bytes
     for path, name in files:
         resolved = path.resolve()
         if resolved in excluded:
@@ -276,6 +306,10 @@ def _add_files(corpus: Corpus, files: list[tuple[Path, str]], separator: str | N
                 raise ValueError(f"{path}: {problem}; fix or remove it, or pass --skip_invalid_files")
             corpus.skipped[name] = problem
             continue
+        if sha256 in first_with:
+            corpus.duplicates[name] = first_with[sha256]
+            continue
+        first_with[sha256] = name
         corpus.files.append(SourceFile(name, size, sha256))
         corpus.local_paths.add(resolved)
         if builder:
@@ -312,6 +346,7 @@ def inspect_file(path: Path, check_text: bool) -> tuple[int, str, str | None]:
             if check_text and problem is None:
                 try:
                     text = decoder.decode(block)
+                    text = text.removeprefix("\ufeff") if size == 0 else text  # a byte order mark is not text
                     seen_text = seen_text or bool(text.strip())
                 except UnicodeDecodeError as error:
                     problem = f"not UTF-8 (byte {size + error.start})"

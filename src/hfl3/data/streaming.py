@@ -7,7 +7,8 @@ as there are (process, DataLoader worker) pairs, each stream's state small enoug
 - `DocumentSource`: the documents of one side in stream `i` of `n`: stream `i` owns the shards `i, i + n, ...` (every
   `n`-th document of each shard when there are fewer shards than streams, like `datasets.distributed.
   split_dataset_by_node`), reads them in a seeded order that changes every pass, and loops forever (training) or
-  stops after `passes`.
+  stops after `passes`. A document that repeats an earlier one of the same shard (exactly) is dropped and counted
+  (`ShardDuplicates`).
 - `PackedStream`: a `torch` `IterableDataset` of rows `(max_seq_len,)`; `reader(i, n, snapshot)` is one stream with
   its buffers, `snapshot()` is its exact state (position in the corpus, buffered pieces, shuffle RNG, counters).
 - `StreamBatches` / `stream_dataloader`: the DataLoader for the Trainer. DataLoader worker `w` of process `r` is stream
@@ -17,11 +18,13 @@ as there are (process, DataLoader worker) pairs, each stream's state small enoug
 - `StreamProgress`: what the main process consumed: each worker's snapshot rebuilt from its updates, the number of
   batches and the chained sha256 of the consumed token rows; saved with every checkpoint and loaded to resume.
 
-Memory: the shuffle buffer and the packing buffer (documents), one read batch and one row batch per stream.
+Memory: the shuffle buffer and the packing buffer (documents), one read batch and one row batch per stream, and the
+duplicate filter's digests of the current shard (at most `MAX_SHARD_DIGESTS`, about 70 bytes each).
 """
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -39,6 +42,8 @@ DATA_STATE_KEY = "data_state"
 STATE_FILE = "data_state_rank{rank}.safetensors"
 SHUFFLE_RNG_TAG = 2**32 - 1  # the shuffle buffer's seed `[seed, stream, TAG]`; shard orders use `[seed, stream, pass]`
 _EMPTY_SHA256 = hashlib.sha256().hexdigest()
+logger = logging.getLogger(__name__)
+MAX_SHARD_DIGESTS = 1 << 18  # per stream: ~18 MB of Python ints at most
 
 
 class DocumentSplit:
@@ -65,12 +70,56 @@ class DocumentSplit:
                 "seed": self.seed, "val_fraction": self.val_fraction}
 
 
+class ShardDuplicates:
+    """Exact-duplicate documents within one shard, as one stream reads it: a document is dropped when the 64-bit
+    blake2b digest of its UTF-8 text equals that of an earlier document of the shard (a false match needs a 64-bit
+    collision: about n² / 2^65 for n documents).
+
+    Scope and memory bound: one shard at a time (a file, or a parquet row group / data file of a `datasets`
+    source), the first `MAX_SHARD_DIGESTS` distinct documents of it (later ones are kept unchecked); identical
+    local files are left out when the corpus is opened (`hfl3.data.sources`). Repeats across shards are not
+    detected: deduplicate a web-scale corpus beforehand. Nothing of it is saved: resuming in the middle of a shard
+    re-reads the shard up to the saved position to rebuild the digests (`replay`), so the decisions, and the rows,
+    are those of an uninterrupted run, in every pass."""
+
+    def __init__(self):
+        self.digests: set[int] = set()
+
+    @staticmethod
+    def digest(text: str) -> int:
+        return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+
+    def drop(self, texts: list[str]) -> tuple[list[str], int]:
+        """`(texts that are new, number dropped)`; the new ones are remembered."""
+        unique = []
+        for text in texts:
+            digest = self.digest(text)
+            if digest in self.digests:
+                continue
+            if len(self.digests) < MAX_SHARD_DIGESTS:
+                self.digests.add(digest)
+            unique.append(text)
+        return unique, len(texts) - len(unique)
+
+    @classmethod
+    def replay(cls, shard, position: dict | None, batch_size: int, stride: tuple[int, int]) -> "ShardDuplicates":
+        """The filter's state after reading `shard` up to `position` (a `Shard.read` position; None: the start)."""
+        duplicates = cls()
+        if position is not None:
+            for texts, read in shard.read(None, batch_size, stride):
+                if read["documents"] > position["documents"]:
+                    break
+                duplicates.drop(texts)
+        return duplicates
+
+
 @dataclass
 class DocumentSource:
     """The documents of one side (`validation` or training) of a corpus, for stream `i` of `n` (module docstring).
 
     `shuffle_shards`: read the owned shards in a seeded order drawn anew for every pass (else in corpus order).
     `passes`: stop after this many passes over the owned shards (None: loop forever).
+    `deduplicate`: drop documents that repeat an earlier one of their shard (`ShardDuplicates`).
     """
 
     corpus: Corpus
@@ -80,12 +129,15 @@ class DocumentSource:
     read_batch: int = 64
     shuffle_shards: bool = True
     passes: int | None = None
+    deduplicate: bool = True
 
     def keep(self, text: str) -> bool:
         return self.split is None or self.split.is_validation(text) == self.validation
 
     def batches(self, stream: int = 0, num_streams: int = 1, position: dict | None = None) -> Iterator[tuple]:
-        """`(kept_texts, held_out, position)` per batch read; `position` resumes right after the batch.
+        """`(kept_texts, skipped, position)` per batch read: `skipped` counts the documents left out,
+        `{"held_out": of the other side, "duplicates": repeats within the shard}`; `position` resumes right after the
+        batch.
 
         Raises:
             ValueError: a whole pass over the owned shards yields no document of this side.
@@ -101,13 +153,23 @@ class DocumentSource:
             order = owned
             if self.shuffle_shards:
                 order = [owned[i] for i in np.random.default_rng([self.seed, stream, epoch]).permutation(len(owned))]
-            start, read, kept_in_pass = position["shard"], position["read"], 0
+            start, read, kept_in_pass, duplicates_in_pass = position["shard"], position["read"], 0, 0
             for index in range(start, len(order)):
-                for texts, read in shards[order[index]].read(read, self.read_batch, stride):
+                shard = shards[order[index]]
+                duplicates = ShardDuplicates.replay(shard, read, self.read_batch, stride) if self.deduplicate else None
+                for texts, read in shard.read(read, self.read_batch, stride):
+                    repeated = 0
+                    if duplicates is not None:
+                        texts, repeated = duplicates.drop(texts)
                     kept = [text for text in texts if self.keep(text)]
                     kept_in_pass += len(kept)
-                    yield kept, len(texts) - len(kept), {"epoch": epoch, "shard": index, "read": read}
+                    duplicates_in_pass += repeated
+                    yield kept, {"held_out": len(texts) - len(kept), "duplicates": repeated}, \
+                        {"epoch": epoch, "shard": index, "read": read}
                 read = None
+            if duplicates_in_pass:
+                logger.info("stream %d of %d, pass %d: dropped %d document(s) repeating an earlier one of their shard",
+                            stream, num_streams, epoch, duplicates_in_pass)
             if start == 0 and not kept_in_pass:
                 side = "validation" if self.validation else "training"
                 raise ValueError(f"stream {stream} of {num_streams} found no {side} document in {len(owned)} shard(s) "
@@ -205,7 +267,8 @@ class PackedStream(torch.utils.data.IterableDataset):
                 "tokenizer_sha256": hashlib.sha256(vocabulary.encode()).hexdigest(),
                 "max_seq_len": self.max_seq_len, "document_max_chars": self.document_max_chars,
                 "packing_buffer": self.packing_buffer, "shuffle_buffer": self.shuffle_buffer,
-                "read_batch": self.source.read_batch, "seed": self.source.seed}
+                "read_batch": self.source.read_batch, "seed": self.source.seed,
+                "deduplicate": "within shards" if self.source.deduplicate else None}
 
 
 class StreamReader:
@@ -221,7 +284,7 @@ class StreamReader:
         self.packer = BestFitPacker(packed.max_seq_len, packed.packing_buffer)
         self.rng = np.random.default_rng([packed.source.seed, stream, SHUFFLE_RNG_TAG])
         self.documents: list[tuple[int, np.ndarray]] = []  # (key, tokens) pieces waiting in the shuffle buffer
-        self.position, self.counts, self.keys = None, {"documents": 0, "held_out": 0}, 0
+        self.position, self.counts, self.keys = None, {"documents": 0, "held_out": 0, "duplicates": 0}, 0
         self._arrived: dict[int, np.ndarray] = {}  # pieces tokenized since the last update()
         if snapshot is not None:
             self._restore(snapshot)
@@ -233,9 +296,10 @@ class StreamReader:
             batch = next(self._batches, None)
             if batch is None:
                 break
-            texts, held_out, self.position = batch
+            texts, skipped, self.position = batch
             self.counts["documents"] += len(texts)
-            self.counts["held_out"] += held_out
+            self.counts["held_out"] += skipped["held_out"]
+            self.counts["duplicates"] += skipped["duplicates"]
             pieces = list(enumerate(self.packed.tokenize(texts), start=self.keys))
             self.keys += len(pieces)
             self._arrived.update(pieces)
@@ -283,7 +347,7 @@ class StreamReader:
         meta, buffers = snapshot["meta"], snapshot["buffers"]
         if meta["stream"] != [self.stream, self.num_streams]:
             raise ValueError(f"snapshot of stream {meta['stream']} given to stream {[self.stream, self.num_streams]}")
-        self.position, self.counts, self.keys = meta["position"], dict(meta["counts"]), meta["keys"]
+        self.position, self.counts, self.keys = meta["position"], {**self.counts, **meta["counts"]}, meta["keys"]
         self.rng.bit_generator.state = meta["rng"]
         self.documents = list(buffers["documents"])
         self.packer.load_state(buffers["packer"], PackingReport.from_dict(meta["report"]))
@@ -368,15 +432,17 @@ class StreamProgress:
                 for role, latest in self.latest.items()}
 
     def summary(self) -> dict:
-        """JSON-safe: batches, digest, the packing report and document counts summed over the worker streams."""
-        report, counts = PackingReport(), {"documents": 0, "held_out": 0}
+        """JSON-safe: batches, digest, the packing report and document counts (kept, held out, duplicates) summed over
+        the worker streams."""
+        report, counts = PackingReport(), {"documents": 0, "held_out": 0, "duplicates": 0}
         for latest in self.latest.values():
             report += PackingReport.from_dict(latest["meta"]["report"])
             for key in counts:
-                counts[key] += latest["meta"]["counts"][key]
+                counts[key] += latest["meta"]["counts"].get(key, 0)
         epochs = [latest["meta"]["position"]["epoch"] for latest in self.latest.values()]
         return {"rank": self.rank, "batches": self.batches, "sha256": self.sha256, "packing": report.as_dict(),
                 "documents": counts["documents"], "held_out_documents": counts["held_out"],
+                "duplicate_documents": counts["duplicates"],
                 "completed_passes": max(epochs, default=0)}
 
     def save(self, folder: str | os.PathLike) -> Path:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Callable, Iterator
 
 import torch
@@ -342,7 +343,8 @@ def convert_to_float8_training(
 
     Returns:
         `model` itself, like `torchao.float8.convert_to_float8_training`. The converted layers, and the skipped ones
-        with their reasons, are logged at INFO.
+        with their reasons, are logged at INFO; a WARNING says when no layer was converted, or when this machine has
+        no GPU with FP8 matmuls (the converted layers then emulate them).
 
     Raises:
         ValueError: on an unknown recipe, or if the model already has FP8 layers (hfl3's or torchao's: convert once,
@@ -362,6 +364,16 @@ def convert_to_float8_training(
                 len(skipped))
     for name, reason in skipped.items():
         logger.info("FP8 skip %s: %s", name, reason)
+    if not selected:
+        reasons = sorted({re.sub(r"in_features=\d+, out_features=\d+:? ?", "", reason) for reason in skipped.values()})
+        logger.warning("FP8 %s converted no layer of this model, so it trains in high precision (skipped %d: %s); "
+                       "FP8 needs matmuls with both dims multiples of %d and >= %d, other than the first and last "
+                       "projections: use a larger model or drop --fp8", recipe, len(skipped), "; ".join(reasons),
+                       DIM_MULTIPLE, MIN_DIM)
+    elif not (torch.cuda.is_available() and _supports_scaled_mm(torch.device("cuda", torch.cuda.current_device()))):
+        logger.warning("FP8 %s: no CUDA GPU with FP8 matmuls (compute capability >= 8.9) here, so the %d converted "
+                       "layers emulate them (quantize, dequantize, high-precision matmul): the numerics of FP8, "
+                       "slower than without --fp8", recipe, len(selected))
     return model
 
 

@@ -15,6 +15,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from hfl3 import fp8
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DATA_STATE_KEY, PackedStream, StreamBatch, StreamProgress, stream_dataloader
+from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class PretrainConfig(TrainingArguments):
                                                            "state; skipping batches would re-read the stream"})
 
     def __post_init__(self):
+        check_training_arguments(self)  # issue 15: refuse a zero/negative learning rate or max_steps 0
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"optimizer={self.optimizer!r}; expected 'adamw' or 'muon'")
         if self.fp8 not in (None, "tensorwise", "rowwise"):
@@ -137,7 +139,7 @@ class BitsPerByte:
         return {"bpb": float(nats[counted].sum() / (math.log(2) * max(total_bytes, 1)))}
 
 
-class L3GPTTrainer(Trainer):
+class L3GPTTrainer(NonFiniteGuard, Trainer):  # NonFiniteGuard: issue 15, stop at a NaN/inf loss
     """HF Trainer for pretraining. Overrides the optimizer (one place: `create_optimizer`), the default WSD
     schedule's step counts and the input-token count (no device sync per step); evaluation runs with hfl3 FP8
     layers swapped back to high precision.
@@ -214,7 +216,8 @@ class L3GPTTrainer(Trainer):
         combined = hashlib.sha256(b"".join(bytes.fromhex(r["sha256"]) for r in ranks)).hexdigest()
         return {"sha256": combined, "ranks": ranks, "packing": packing,
                 "documents": sum(r["documents"] for r in ranks),
-                "held_out_documents": sum(r["held_out_documents"] for r in ranks)}
+                "held_out_documents": sum(r["held_out_documents"] for r in ranks),
+                "duplicate_documents": sum(r["duplicate_documents"] for r in ranks)}
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
         self._num_training_steps = num_training_steps

@@ -26,6 +26,7 @@ from hfl3.data.sft import SFTData, load_sft_data
 from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.models.l3gpt.linear_cross_entropy import linear_cross_entropy, register_zero3_owner
 from hfl3.provenance import add_safetensors_metadata, sha256_records, write_json_atomic, write_model_card
+from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments, check_vocabulary_fits
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class SFTLoRAConfig(SFTConfig):
     )
 
     def __post_init__(self):
+        check_training_arguments(self)  # issue 15: refuse a zero/negative learning rate or max_steps 0
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         super().__post_init__()
@@ -180,7 +182,7 @@ def add_supervised_nll(model, owner: torch.nn.Module | None = None) -> None:
     model.forward = types.MethodType(forward, model)
 
 
-class HFL3SFTTrainer(SFTTrainer):
+class HFL3SFTTrainer(NonFiniteGuard, SFTTrainer):  # NonFiniteGuard: issue 15, stop at a NaN/inf loss
     """TRL's `SFTTrainer` for pre-tokenized, pre-masked rows, with provenance on every save.
 
     Differences from `SFTTrainer`:
@@ -479,6 +481,7 @@ def build_sft_trainer(
         skip_invalid_records=script_args.skip_invalid_records,
     )
     model = load_causal_lm(model_args, training_args)
+    check_vocabulary_fits(tokenizer, model)  # issue 15: a clear error, not an IndexError in the first forward
     trained_length = getattr(model.config, "max_position_embeddings", None)
     if trained_length and training_args.max_length and training_args.max_length > trained_length:
         logger.warning(

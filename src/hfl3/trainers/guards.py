@@ -1,0 +1,185 @@
+"""Guards shared by both recipes: argument checks made while the arguments are parsed (`check_training_arguments`),
+the tokenizer-fits-the-model check of SFT (`check_vocabulary_fits`), the non-finite loss / gradient-norm stop of a
+training run (`NonFiniteGuard`, a `Trainer` mixin) and the one-line error that ends a launched recipe
+(`exit_on_training_error`).
+
+The NaN/inf guard costs no device→host synchronisation per step (issue 12 keeps the pretraining step free of them):
+each step compares the loss and the gradient norm with `torch.isfinite` on the device and keeps the first bad step
+number in a device tensor (`masked_fill_` with a Python int: no copy, no sync). The flags are read only where the
+Trainer synchronises anyway (when it logs, evaluates, saves or stops, `_maybe_log_save_evaluate`), and before a save
+the parameters are checked too, so no checkpoint holds a non-finite tensor and the last good checkpoint stays the
+newest one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+from collections.abc import Iterator
+
+import torch
+from transformers.trainer_utils import get_last_checkpoint
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """The training loss, the gradient norm or a parameter became NaN or infinite. `step` is the first optimizer
+    step (1-based, `state.global_step` after it) where it was seen."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+def check_training_arguments(args) -> None:
+    """Refuse arguments that would train nothing or the wrong way, before any data work (call it from a
+    `TrainingArguments` subclass's `__post_init__`, so that `hfl3.trainers.launch.parse_recipe_args` shows it as an
+    argument error).
+
+    Raises:
+        ValueError: `learning_rate <= 0` (zero trains nothing, a negative rate climbs the loss); `max_steps` 0 or
+            below -1 (-1, the default, trains `num_train_epochs` epochs); `num_train_epochs <= 0` with
+            `max_steps = -1`.
+    """
+    if not args.learning_rate > 0:
+        raise ValueError(f"learning_rate={args.learning_rate}: expected a positive learning rate (0 trains nothing, "
+                         "a negative rate climbs the loss); e.g. --learning_rate 3e-4")
+    if args.max_steps == 0 or args.max_steps < -1:
+        raise ValueError(f"max_steps={args.max_steps}: expected a positive number of optimizer steps, or -1 (the "
+                         "default) to train --num_train_epochs epochs")
+    if args.max_steps == -1 and not args.num_train_epochs > 0:
+        raise ValueError(f"num_train_epochs={args.num_train_epochs} with max_steps=-1 trains nothing: pass a "
+                         "positive --num_train_epochs or --max_steps")
+
+
+def check_vocabulary_fits(tokenizer, model) -> None:
+    """Refuse a tokenizer that can produce token ids the model has no embedding row for (the forward would fail
+    with an IndexError, or on a GPU a device-side assert, deep in the first step).
+
+    Raises:
+        ValueError: `len(tokenizer)` (its vocabulary with the added tokens) exceeds the rows of the model's input
+            embeddings.
+    """
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens (with added ones) but the model "
+            f"{model.config.name_or_path or type(model).__name__} has {rows} embedding rows: token ids >= {rows} "
+            "have no embedding. Use the model's own tokenizer (drop --tokenizer_name_or_path), or resize the "
+            "model's embeddings (model.resize_token_embeddings(len(tokenizer))) and save it first"
+        )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a DTensor (FSDP2), else the tensor: a non-finite shard makes the whole non-finite, and
+    the flags are combined across processes when read."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class NonFiniteGuard:
+    """Mixin for a `transformers.Trainer` subclass (`class MyTrainer(NonFiniteGuard, Trainer)`): stop training at
+    the first non-finite loss or gradient norm with `NonFiniteTrainingError` naming the step, before anything from
+    that step on is logged or saved (module docstring: how, without a per-step device sync).
+
+    The loss is the one `training_step` returns (every micro-batch); the gradient norm is the pre-clipping norm that
+    transformers 5.23 computes at every optimizer step (`_get_grad_norm`, also with `max_grad_norm=0`; a Python
+    float under DeepSpeed). The error is raised at the first log, evaluation, save or end of training after the bad
+    step, on every process at once (the flags are gathered: the Trainer reaches `_maybe_log_save_evaluate` at the
+    same steps on every process).
+    """
+
+    _nonfinite_first: dict[str, torch.Tensor] | None = None
+
+    def _nonfinite_slot(self, name: str, device: torch.device) -> torch.Tensor:
+        if self._nonfinite_first is None:
+            self._nonfinite_first = {}
+        if name not in self._nonfinite_first:
+            self._nonfinite_first[name] = torch.full((), -1, dtype=torch.long, device=device)
+        return self._nonfinite_first[name]
+
+    def _record_nonfinite(self, name: str, value) -> None:
+        """Remember the current step (on the device) under `name` if `value` is not finite and none was before."""
+        if value is None:
+            return
+        step = self.state.global_step + 1
+        if torch.is_tensor(value):
+            value = _local(value.detach())
+            first = self._nonfinite_slot(name, value.device)
+            bad = ~torch.isfinite(value).all()
+            first.masked_fill_(bad.to(first.device) & (first < 0), step)
+        elif not math.isfinite(value):  # already a Python number (DeepSpeed's gradient norm)
+            first = self._nonfinite_slot(name, self.args.device)
+            first.masked_fill_(first < 0, step)
+
+    def train(self, *args, **kwargs):
+        self._nonfinite_first = None  # a new run (or a resumed one) starts clean
+        return super().train(*args, **kwargs)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._record_nonfinite("loss", loss)
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self._record_nonfinite("gradient norm", grad_norm)
+        return grad_norm
+
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        control = self.control
+        if control.should_log or control.should_save or control.should_evaluate or control.should_training_stop:
+            self.check_finite(parameters=control.should_save)
+        return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def check_finite(self, parameters: bool = False) -> None:
+        """Read the flags (one device sync; a gather across processes when distributed) and raise if a loss or a
+        gradient norm was not finite; with `parameters`, also check every parameter (before a save).
+
+        Raises:
+            NonFiniteTrainingError: naming the first bad step, what was not finite, and what to do.
+        """
+        device = self.args.device
+        names = ["loss", "gradient norm"]
+        flags = [self._nonfinite_slot(name, device).to(device) for name in names]
+        if parameters:
+            # ZeRO-3 leaves empty placeholders here (the shards live in the engine's flat buffers)
+            checks = [torch.isfinite(_local(p.detach())).all().to(device) for p in self.model.parameters() if p.numel()]
+            finite = torch.stack(checks).all() if checks else torch.ones((), dtype=torch.bool, device=device)
+            names.append("parameters")
+            flags.append(torch.where(finite, -1, self.state.global_step))
+        steps = torch.stack(flags)  # (k,)
+        if self.args.world_size > 1:
+            gathered = self.accelerator.gather(steps).view(-1, len(names))  # (world_size, k)
+            steps = torch.where(gathered < 0, torch.iinfo(torch.long).max, gathered).min(dim=0).values
+            steps = torch.where(steps == torch.iinfo(torch.long).max, -1, steps)
+        bad = {name: step for name, step in zip(names, steps.tolist()) if step >= 0}
+        if bad:
+            raise NonFiniteTrainingError(self._nonfinite_message(bad), min(bad.values()))
+
+    def _nonfinite_message(self, bad: dict[str, int]) -> str:
+        if len(bad) > 1:  # a non-finite loss or gradient makes the parameters non-finite: name the cause
+            bad.pop("parameters", None)
+        first = min(bad.values())
+        parts = [("a parameter" if name == "parameters" else f"the {name}") + ("" if step == first else
+                 f" (at step {step})") for name, step in sorted(bad.items(), key=lambda item: item[1])]
+        newest = None
+        if os.path.isdir(self.args.output_dir):
+            newest = get_last_checkpoint(self.args.output_dir)
+        kept = f"the newest checkpoint is {os.path.basename(newest)}" if newest else "no checkpoint was saved"
+        return (f"training diverged at step {first}: {' and '.join(parts)} became NaN or infinite; stopped at step "
+                f"{self.state.global_step} before logging or saving anything from the diverged run ({kept}). Lower "
+                f"--learning_rate (now {self.args.learning_rate:g}), raise --warmup_steps (now "
+                f"{self.args.warmup_steps}), keep --max_grad_norm above 0 (now {self.args.max_grad_norm:g}), or check "
+                f"the batch of step {first}; then restart or resume from the newest checkpoint")
+
+
+@contextlib.contextmanager
+def exit_on_training_error(prog: str | None = None) -> Iterator[None]:
+    """Around a recipe's `main(...)`: a `NonFiniteTrainingError` ends the program with `PROG: error: <message>` on
+    stderr and exit status 1 instead of a traceback (argument errors exit with 2, `parse_recipe_args`)."""
+    try:
+        yield
+    except NonFiniteTrainingError as error:
+        print(f"{prog or os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
