@@ -30,7 +30,8 @@ from hfl3.trainers.outputs import (
 )
 from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
 
-TINY = ["--max_steps", "12", "--save_strategy", "steps", "--save_steps", "4", "--logging_steps", "2"]
+TINY = ["--max_steps", "12", "--save_strategy", "steps", "--save_steps", "4", "--logging_steps", "2",
+        "--tokenizer_train_chars", "100000", "--l3_sample_tokens", "20000", "--max_eval_rows", "4"]
 
 
 def launch(repo_root, output_dir, *extra, kill=None):
@@ -200,9 +201,9 @@ def tiny_trainer(output_dir, stream, depth=1, **kwargs):
     torch.manual_seed(0)
     config = L3GPTConfig.from_depth(depth, vocab_size=len(stream.tokenizer), aspect_ratio=32, head_dim=32,
                                     max_position_embeddings=32, window_pattern="L")
-    args = PretrainConfig(output_dir=str(output_dir), per_device_train_batch_size=2, learning_rate=5e-3,
-                          logging_steps=1, eval_strategy="no", seed=0, disable_tqdm=True, report_to="none",
-                          save_strategy="steps", **kwargs)
+    args = PretrainConfig(**{"output_dir": str(output_dir), "per_device_train_batch_size": 2, "learning_rate": 5e-3,
+                             "logging_steps": 1, "eval_strategy": "no", "seed": 0, "disable_tqdm": True,
+                             "report_to": "none", "save_strategy": "steps", **kwargs})
     return L3GPTTrainer(model=L3GPTForCausalLM(config), args=args, train_dataset=stream,
                         processing_class=stream.tokenizer, data_collator=PackedCollator(stream.tokenizer.bos_token_id))
 
@@ -215,5 +216,10 @@ def test_resume_reports_the_whole_run_and_refuses_another_model(tmp_path, stream
     resumed = tiny_trainer(tmp_path / "full", stream, max_steps=4, save_steps=2).train(str(checkpoint))
     assert resumed.metrics["train_loss"] == pytest.approx(full.metrics["train_loss"], rel=1e-5)
     assert resumed.global_step == 4
+    # from the last checkpoint: nothing to train (transformers 5.23 would run a 5th step on a stream)
+    finished = tiny_trainer(tmp_path / "full", stream, max_steps=4, save_steps=2)
+    metrics = finished.train("latest").metrics
+    assert metrics["train_loss"] == pytest.approx(full.metrics["train_loss"], rel=1e-5)
+    assert finished.state.num_input_tokens_seen == 4 * 2 * 32
     with pytest.raises(ValueError, match=r"belongs to another run.*num_hidden_layers: 1 \(checkpoint\) vs 2"):
         tiny_trainer(tmp_path / "full", stream, depth=2, max_steps=4, save_steps=2).train("latest")

@@ -256,6 +256,14 @@ class OutputFolderMixin(ProvenanceMixin):
         self._train_started = time.time()
         return super().train(resume_from_checkpoint or None, *args, **kwargs)
 
+    def _run_epoch(self, *args, **kwargs):
+        # transformers 5.23, resuming a finished run whose dataset has no length (a stream: num_train_epochs is then
+        # unbounded) runs one step past max_steps before it stops; a resume from the last checkpoint trains nothing
+        if 0 < self.state.max_steps <= self.state.global_step:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
+
     def _finalize_training(self, trial, num_train_samples, start_time):
         # Whole-run train_loss and throughput after a resume (transformers reports the resumed steps only)
         if self.run_totals["global_step"]:
