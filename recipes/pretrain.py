@@ -26,7 +26,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, field
 
-import hfl3  # before transformers: keeps torchao's import-time warnings out of the launch (hfl3/fp8/ao.py)
+import hfl3  # noqa: F401  (before transformers: keeps torchao import-time warnings out of the launch, fp8/ao.py)
 import datasets
 import numpy as np
 import torch

@@ -7,7 +7,12 @@ pretraining and the LoRA SFT recipes both use it.
 - `sha256_records` / `sha256_file`: hashes of the exact training data.
 - `package_versions`, `git_commit`, `git_dirty`: the software that produced the artifact.
 - `build_metadata`: one JSON-safe dict from named sections, with versions, commit and time added.
-- `write_json_atomic`, `add_safetensors_metadata`, `write_model_card`: atomic writers for the three places.
+- `atomic_path`: the one atomic-write helper (temporary file, then `os.replace`), used by every writer in hfl3.
+- `write_json_atomic`, `add_safetensors_metadata`, `write_model_card` (a `huggingface_hub.ModelCard`): the writers
+  for the three places; `stamp_folder` does all three, `provenance_header` chooses the header entries.
+- `portable`: what is written holds no token and no absolute path of this machine.
+- `ProvenanceMixin`: the Trainer mixin that stamps every saved folder, for both trainers (through
+  `hfl3.trainers.outputs.OutputFolderMixin`).
 - `push_folder_to_hub`: upload a finished folder, card included, to the Hub.
 """
 

@@ -365,7 +365,8 @@ class L3GPTOutputs(OutputFolderMixin):
                 + (f" (from {start:.4f} at step 0)" if start is not None else "") + ".\n\n"
                 f"```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
                 f"model = AutoModelForCausalLM.from_pretrained({_usage_name(self)!r}, trust_remote_code=True)  "
-                f"# or `import hfl3` first\n# trust_remote_code: AutoTokenizer reads config.json, whose auto_map names the remote config\n"
+                f"# or `import hfl3` first\n"
+                "# AutoTokenizer reads config.json, whose auto_map names remote code: say so, or it asks [y/N]\n"
                 f"tokenizer = AutoTokenizer.from_pretrained({_usage_name(self)!r}, trust_remote_code=True)\n```")
         return {"title": "L3GPT (hfl3)", "extra_markdown": text, "tags": ("hfl3", "l3gpt")}
 

@@ -7,7 +7,6 @@ same trainer through `build_sft_trainer`.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
