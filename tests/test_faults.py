@@ -223,3 +223,33 @@ def test_resume_reports_the_whole_run_and_refuses_another_model(tmp_path, stream
     assert finished.state.num_input_tokens_seen == 4 * 2 * 32
     with pytest.raises(ValueError, match=r"belongs to another run.*num_hidden_layers: 1 \(checkpoint\) vs 2"):
         tiny_trainer(tmp_path / "full", stream, depth=2, max_steps=4, save_steps=2).train("latest")
+
+
+def test_sft_saves_no_token_and_resume_refuses_other_data(tmp_path, stream):
+    from test_sft_recipe import chats, tiny_l3gpt
+
+    from hfl3.data.chat import write_chat_jsonl
+    from hfl3.data.sft import load_sft_data
+    from hfl3.provenance import build_metadata
+    from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig, SFTModelArguments, lora_config
+
+    tokenizer, secret = stream.tokenizer, "hf_" + "Z9y8" * 9
+
+    def trainer_on(answer_word, seed):
+        data = load_sft_data(tokenizer, write_chat_jsonl(chats(answer_word, 8, seed=seed), tmp_path / f"{seed}.jsonl"),
+                             max_length=64)
+        args = SFTLoRAConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
+                             eval_strategy="no", load_best_model_at_end=False, save_strategy="steps", save_steps=2,
+                             max_length=64, hub_token=secret, report_to="none", disable_tqdm=True, seed=0)
+        return HFL3SFTTrainer(model=tiny_l3gpt(tokenizer), args=args, train_dataset=data.train,
+                              processing_class=tokenizer, peft_config=lora_config(SFTModelArguments(lora_r=4)),
+                              provenance=build_metadata(data=data.provenance, training_args=args.to_dict()))
+
+    trainer_on("good", 0).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / "metadata.json").is_file() and (checkpoint / "adapter_model.safetensors").is_file()
+    files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert not [p for p in files if p.name == "training_args.bin"]  # a pickle holding hub_token
+    assert not [p for p in files if secret.encode() in p.read_bytes()]
+    with pytest.raises(ValueError, match="belongs to another run.*data.train_records_sha256"):
+        trainer_on("night", 1).train("latest")
