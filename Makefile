@@ -18,9 +18,9 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain.py \
-		--config recipes/configs/demo.yaml
+		--config recipes/configs/demo.yaml --overwrite_output_dir
 	$(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sft_lora.py \
-		--config recipes/configs/sft_demo.yaml
+		--config recipes/configs/sft_demo.yaml --overwrite_output_dir
 
 test: $(STAMP)
 	$(BIN)/pytest -q

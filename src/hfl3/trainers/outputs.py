@@ -193,7 +193,7 @@ class OutputFolderMixin(ProvenanceMixin):
     """
 
     def __init__(self, *args, **kwargs):
-        training_args = kwargs.get("args")
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         self.push_at_end = bool(training_args is not None and training_args.push_to_hub)
         if self.push_at_end:
             training_args.push_to_hub = False
@@ -290,9 +290,11 @@ class OutputFolderMixin(ProvenanceMixin):
             super()._save_checkpoint(model, trial)
         finally:
             del self._get_output_dir
+        staged_best = self.state.best_model_checkpoint and Path(self.state.best_model_checkpoint) == staged
+        if staged_best:  # on every process: under DeepSpeed all of them load the best checkpoint at the end
+            self.state.best_model_checkpoint = str(final)
         if self.args.should_save:
-            if self.state.best_model_checkpoint and Path(self.state.best_model_checkpoint) == staged:
-                self.state.best_model_checkpoint = str(final)
+            if staged_best:
                 self.state.save_to_json(str(staged / "trainer_state.json"))
             totals = {"train_loss_sum": self.run_totals["train_loss_sum"] + self._total_loss_scalar + undrained,
                       "train_runtime": self.run_totals["train_runtime"] + time.time() - self._train_started,
