@@ -16,15 +16,17 @@ The training data is a stream (`hfl3.data.streaming`): documents are read, token
 process's DataLoader workers (`--dataloader_num_workers`), memory flat in corpus size, and a checkpoint resumes it
 exactly. Outputs in `--output_dir`: model.safetensors + config.json + remote code, tokenizer, metadata.json (source
 files with sha256, split, the sha256 of the consumed token rows), README.md (model card), all_results.json
-(eval_bpb), loss.png.
+(eval_bpb, train_loss and throughput over the whole run), loss.png. The folder is committed whole at the end
+(`hfl3.trainers.outputs`): a non-empty `--output_dir` is refused unless the run resumes from it
+(`--resume_from_checkpoint latest`, which also uses the checkpoint's tokenizer and L3 allocation) or
+`--overwrite_output_dir` is given; checkpoints appear only when complete.
 """
 
 import logging
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-import hfl3  # before transformers: keeps torchao's import-time warnings out of the launch (hfl3/fp8/ao.py)
+import hfl3  # noqa: F401  (before transformers: keeps torchao import-time warnings out of the launch, fp8/ao.py)
 import datasets
 import numpy as np
 import torch
@@ -41,6 +43,7 @@ from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
 from hfl3.trainers.guards import exit_on_training_error
 from hfl3.trainers.launch import check_world_size, parse_recipe_args
+from hfl3.trainers.outputs import prepare_output_dir, work_dir
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 
 logger = logging.getLogger("hfl3.pretrain")
@@ -113,11 +116,14 @@ def open_data(script_args: ScriptArguments, seed: int) -> tuple[DocumentSource, 
 
 
 def prepare_tokenizer(script_args: ScriptArguments, training_args: PretrainConfig, documents: DocumentSource):
-    """Load the given tokenizer, or train a BPE on the first `tokenizer_train_chars` characters of the training
-    documents (main process first, then shared through `output_dir`)."""
+    """The checkpoint's tokenizer when resuming; else the given tokenizer, or a BPE trained on the first
+    `tokenizer_train_chars` characters of the training documents (main process first, then shared through the
+    staging area: `output_dir` itself is not touched before training)."""
+    if training_args.resume_from_checkpoint:
+        return load_tokenizer(training_args.resume_from_checkpoint)
     if script_args.tokenizer_name_or_path:
         return load_tokenizer(script_args.tokenizer_name_or_path)
-    saved = Path(training_args.output_dir)
+    saved = work_dir(training_args.output_dir) / "tokenizer"
     with training_args.main_process_first(desc="train tokenizer"):
         if training_args.process_index == 0:
             train_tokenizer(documents.sample_texts(script_args.tokenizer_train_chars),
@@ -184,9 +190,7 @@ def data_metadata(script_args: ScriptArguments, data: PretrainData, consumed: di
 def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args: ModelArguments) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     set_seed(training_args.seed)
-    # The finished folder is uploaded once at the end (the Trainer's own push would contact the Hub at start,
-    # re-save the weights without our metadata and replace the model card).
-    push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
+    prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
     check_world_size(training_args)
     data = prepare_data(script_args, training_args, model_args.max_seq_len)
     tokenizer = data.train.tokenizer
@@ -201,7 +205,7 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
         attn_implementation=model_args.attn_implementation,
     )
     model = L3GPTForCausalLM(config)
-    if config.l3_after_layers:
+    if config.l3_after_layers and not training_args.resume_from_checkpoint:  # resuming: the checkpoint's
         sample = data.train.sample_documents(script_args.l3_sample_tokens)
         model.set_l3_allocation(lzw_allocation(sample, config.vocab_size, config.l3_n_emb, config.l3_k_max))
         counts = model.model.l3_counts().float()
@@ -232,47 +236,32 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
     # The step-0 evaluation runs inside train(): evaluate() before train() would leave the model without DDP (no
     # gradient all-reduce: accelerate marks it prepared for evaluation) and breaks DeepSpeed ZeRO
     training_args.eval_on_start = not training_args.resume_from_checkpoint
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    metrics = trainer.evaluate()
+    train_metrics = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint).metrics
+    metrics = {**train_metrics, **trainer.evaluate()}  # train_loss and throughput over the whole run
     metrics["initial_eval_bpb"] = next((e["eval_bpb"] for e in trainer.state.log_history
                                         if e["step"] == 0 and "eval_bpb" in e), None)
-    metrics["train_loss"] = next((e["train_loss"] for e in reversed(trainer.state.log_history)
-                                  if "train_loss" in e), None)
-    trainer.save_metrics("all", metrics)
-    trainer.save_model(training_args.output_dir)  # every rank: under ZeRO-3 the weights are gathered collectively
     consumed = trainer.stream_summary()  # every rank: gathers what each one trained on
     logger.info("training stream: %d documents read, %d held out, %d duplicates within a shard dropped",
                 consumed["documents"], consumed["held_out_documents"], consumed["duplicate_documents"])
-    if is_deepspeed_zero3_enabled():  # training is over: finish_folder's reload on the main process alone must not
+    trainer.provenance = provenance.build_metadata(
+        data=data_metadata(script_args, data, consumed),
+        model=config.to_dict(), script_args=asdict(script_args), model_args=asdict(model_args),
+        training_args=training_args.to_dict(), results=metrics,
+    )
+    with trainer.finish_output():  # staged, committed whole: weights, tokenizer, metadata.json, card, results
+        trainer.save_metrics("all", metrics)
+        trainer.save_model()  # every rank: under ZeRO-3 the weights are gathered collectively
+    if is_deepspeed_zero3_enabled():  # training is over: the reload on the main process alone must not
         unset_hf_deepspeed_config()  # partition the model with zero.Init (a collective: it would hang or crash)
     if trainer.is_world_process_zero():
-        metadata = provenance.build_metadata(
-            data=data_metadata(script_args, data, consumed),
-            model=config.to_dict(), script_args=asdict(script_args), model_args=asdict(model_args),
-            training_args=training_args.to_dict(), results=metrics,
-        )
-        finish_folder(training_args.output_dir, metadata, metrics, (script_args.sample_prompts or ["def"])[0])
-    if push_to_hub and trainer.is_world_process_zero():
-        provenance.push_folder_to_hub(training_args.output_dir, training_args.hub_model_id,
-                                      private=training_args.hub_private_repo, token=training_args.hub_token)
+        reload_and_generate(training_args.output_dir, (script_args.sample_prompts or ["def"])[0])
+    trainer.push_output()
     return metrics
 
 
-def finish_folder(output_dir: str, metadata: dict, metrics: dict, prompt: str) -> None:
-    """metadata.json (replacing the Trainer's pickled training_args.bin), the safetensors header and the model
-    card, then a reload with `AutoModelForCausalLM` that
-    continues `prompt` (greedy, 40 tokens; the folder that `push_to_hub` uploads is exactly this one)."""
-    provenance.write_json_atomic(Path(output_dir) / "metadata.json", metadata)
-    (Path(output_dir) / "training_args.bin").unlink(missing_ok=True)  # pickle; metadata.json has the arguments
-    data = metadata["data"]
-    provenance.add_safetensors_metadata(Path(output_dir) / "model.safetensors", {
-        "hfl3_train_tokens_sha256": data["train_tokens_sha256"], "hfl3_version": hfl3.__version__,
-        "hfl3_git_commit": str(metadata.get("git_commit")),
-    })
-    summary = (f"L3GPT pretrained with hfl3 on `{data['source']}`: validation bpb {metrics.get('eval_bpb'):.4f} "
-               f"(from {metrics.get('initial_eval_bpb') or float('nan'):.4f} at step 0).\n\n"
-               "Load with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` (or `import hfl3`).")
-    provenance.write_model_card(output_dir, "L3GPT (hfl3)", metadata, summary, tags=("hfl3", "l3gpt"))
+def reload_and_generate(output_dir: str, prompt: str) -> None:
+    """Reload the finished folder with `AutoModelForCausalLM` and continue `prompt` (greedy, 40 tokens): the folder
+    that `--push_to_hub` uploads is exactly this one."""
     model = AutoModelForCausalLM.from_pretrained(output_dir)
     tokenizer = load_tokenizer(output_dir)
     ids = [tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]

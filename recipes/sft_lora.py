@@ -44,9 +44,10 @@ import math
 from trl import TrlParser
 
 from hfl3.callbacks import save_loss_plot
-from hfl3.provenance import push_folder_to_hub, write_json_atomic
+from hfl3.provenance import write_json_atomic
 from hfl3.trainers.guards import exit_on_training_error
 from hfl3.trainers.launch import check_world_size, parse_recipe_args
+from hfl3.trainers.outputs import prepare_output_dir
 from hfl3.trainers.sft import (
     SFTLoRAConfig,
     SFTModelArguments,
@@ -66,12 +67,7 @@ def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_ar
     Returns:
         The results written to `all_results.json`.
     """
-    push_to_hub = training_args.push_to_hub
-    if push_to_hub and not training_args.hub_model_id:
-        raise ValueError("--push_to_hub needs --hub_model_id USER/NAME")
-    # The upload happens once at the end (push_folder_to_hub), not from every checkpoint save
-    training_args.push_to_hub = False
-
+    prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
     check_world_size(training_args)
     trainer, data, metadata = build_sft_trainer(script_args, training_args, model_args)
     log = trainer.accelerator.print
@@ -94,40 +90,31 @@ def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_ar
     results["train_supervised_tokens_per_second"] = results["train_supervised_tokens"] / results["train_runtime"]
     results["global_step"] = trainer.state.global_step
     results["best_model_checkpoint"] = trainer.state.best_model_checkpoint
-    trainer.save_metrics("all", results)
-    trainer.save_state()
-    history = trainer.state.log_history
-    if trainer.is_world_process_zero() and any("loss" in e or "eval_loss" in e for e in history):
-        save_loss_plot(history, f"{training_args.output_dir}/loss.png", ("loss", "eval_loss"))
     for key in ("eval_before_loss", "eval_loss", "eval_perplexity", "train_supervised_tokens_per_second"):
         if key in results and isinstance(results[key], float) and math.isfinite(results[key]):
             log(f"[hfl3] {key} = {results[key]:.4f}")
 
-    metadata = {**metadata, "results": results}
-    trainer.provenance = metadata
-    trainer.save_model(training_args.output_dir)
-
-    if script_args.sample_prompts and trainer.is_world_process_zero():
-        samples = answer_prompts(
-            trainer.model, trainer.processing_class, script_args.sample_prompts, script_args.max_new_tokens,
-            end_of_turn=data.provenance["end_of_turn"],
-        )
-        write_json_atomic(f"{training_args.output_dir}/samples.json", samples)
-        for sample in samples:
-            log(f"[hfl3] Q: {sample['prompt']}\n[hfl3] A: {sample['answer']}")
-
-    upload_dir = training_args.output_dir
-    if script_args.merge and trainer.is_world_process_zero():
-        upload_dir = save_merged_model(trainer, f"{training_args.output_dir}/merged", metadata)
-        log(f"[hfl3] merged model written to {upload_dir}")
-    if push_to_hub and trainer.is_world_process_zero():
-        url = push_folder_to_hub(
-            upload_dir,
-            training_args.hub_model_id,
-            private=training_args.hub_private_repo,
-            token=training_args.hub_token,
-        )
-        log(f"[hfl3] pushed {upload_dir} to {url}")
+    trainer.provenance = {**metadata, "results": results}
+    with trainer.finish_output() as folder:  # staged, committed whole when the block completes
+        trainer.save_metrics("all", results)
+        trainer.save_state()
+        history = trainer.state.log_history
+        if trainer.is_world_process_zero() and any("loss" in e or "eval_loss" in e for e in history):
+            save_loss_plot(history, folder / "loss.png", ("loss", "eval_loss"))
+        trainer.save_model()
+        if script_args.sample_prompts and trainer.is_world_process_zero():
+            samples = answer_prompts(
+                trainer.model, trainer.processing_class, script_args.sample_prompts, script_args.max_new_tokens,
+                end_of_turn=data.provenance["end_of_turn"],
+            )
+            write_json_atomic(folder / "samples.json", samples)
+            for sample in samples:
+                log(f"[hfl3] Q: {sample['prompt']}\n[hfl3] A: {sample['answer']}")
+        if script_args.merge and trainer.is_world_process_zero():
+            save_merged_model(trainer, folder / "merged", trainer.provenance)
+            log(f"[hfl3] merged model written to {training_args.output_dir}/merged")
+    if url := trainer.push_output("merged" if script_args.merge else None):
+        log(f"[hfl3] pushed to {url}")
     trainer.end()
     return results
 

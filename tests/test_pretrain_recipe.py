@@ -49,7 +49,7 @@ def test_recipe_writes_a_complete_folder_and_learns(recipe_run):
     assert len(digest) == 64 and metadata["versions"]["transformers"]
     assert metadata["data"]["packing"]["train"]["cropped_share"] < 0.2
     with safe_open(output_dir / "model.safetensors", "pt") as f:
-        assert f.metadata()["hfl3_train_tokens_sha256"] == digest
+        assert json.loads(f.metadata()["hfl3.data"])["train_tokens_sha256"] == digest
     assert digest in (output_dir / "README.md").read_text()
     assert "world size 1" in log and "reloaded from" in log
     model = AutoModelForCausalLM.from_pretrained(output_dir)
@@ -64,7 +64,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 folder = sys.argv[1]
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained(folder)
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)  # as the model card says
 ids = torch.tensor([[tokenizer.bos_token_id] + tokenizer("def ", add_special_tokens=False)["input_ids"]])
 print("TOKENS", model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist())
 """
@@ -75,6 +75,7 @@ def test_upload_folder_generates_the_same_without_hfl3(recipe_run, run_without_h
     output_dir, _ = recipe_run
     result = run_without_hfl3(REMOTE_GENERATE, output_dir)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "[y/N]" not in result.stdout + result.stderr
     remote_tokens = json.loads(result.stdout.split("TOKENS", 1)[1].strip())
     model = AutoModelForCausalLM.from_pretrained(output_dir)
     from transformers import AutoTokenizer

@@ -168,11 +168,18 @@ def test_recipe_provenance_in_metadata_safetensors_and_card(recipe_run, l3gpt_fo
     data = metadata["data"]
     assert data["train_records_sha256"] == sha256_records([list(r.messages) for r in read_chat_jsonl(train)])
     assert data["eval_records_sha256"] == sha256_records([list(r.messages) for r in read_chat_jsonl(evaluation)])
-    assert data["files_sha256"][str(train)] == hashlib.sha256(train.read_bytes()).hexdigest()
+    assert data["files_sha256"][train.name] == hashlib.sha256(train.read_bytes()).hexdigest()  # no local path
     assert data["counts"]["train_file"]["read"] == 24 and data["counts"]["train_file"]["kept"] == 24
     assert data["counts"]["eval_file"]["kept"] == 8
     config = json.loads((l3gpt_folder / "config.json").read_text())
-    assert metadata["base_model"]["name_or_path"] == str(l3gpt_folder)
+    assert metadata["base_model"]["name_or_path"] == l3gpt_folder.name
+    # adapter_config.json names the base relative to the adapter folder: loadable from any working directory
+    adapter_config = json.loads((output_dir / "adapter_config.json").read_text())
+    assert (output_dir / adapter_config["base_model_name_or_path"]).resolve() == l3gpt_folder.resolve()
+    for name in ["metadata.json", "README.md", "adapter_config.json", "adapter_model.safetensors",
+                 "merged/metadata.json", "merged/README.md", "merged/model.safetensors"]:
+        assert str(output_dir.parent.parent).encode() not in (output_dir / name).read_bytes(), name
+    assert not list(output_dir.rglob("training_args.bin"))
     assert metadata["base_model"]["model_type"] == config["model_type"] == "l3gpt"
     assert len(metadata["base_model"]["config_sha256"]) == 64
     assert metadata["lora"]["r"] == 4 and sorted(metadata["lora"]["target_modules"]) == ["q_proj", "v_proj"]

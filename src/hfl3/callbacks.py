@@ -9,6 +9,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from hfl3.provenance import atomic_path
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,10 +46,9 @@ def save_loss_plot(log_history: Sequence[dict], path: str | os.PathLike, metrics
         ax.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 

@@ -7,12 +7,18 @@ pretraining and the LoRA SFT recipes both use it.
 - `sha256_records` / `sha256_file`: hashes of the exact training data.
 - `package_versions`, `git_commit`, `git_dirty`: the software that produced the artifact.
 - `build_metadata`: one JSON-safe dict from named sections, with versions, commit and time added.
-- `write_json_atomic`, `add_safetensors_metadata`, `write_model_card`: atomic writers for the three places.
+- `atomic_path`: the one atomic-write helper (temporary file, then `os.replace`), used by every writer in hfl3.
+- `write_json_atomic`, `add_safetensors_metadata`, `write_model_card` (a `huggingface_hub.ModelCard`): the writers
+  for the three places; `stamp_folder` does all three, `provenance_header` chooses the header entries.
+- `portable`: what is written holds no token and no absolute path of this machine.
+- `ProvenanceMixin`: the Trainer mixin that stamps every saved folder, for both trainers (through
+  `hfl3.trainers.outputs.OutputFolderMixin`).
 - `push_folder_to_hub`: upload a finished folder, card included, to the Hub.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import enum
@@ -24,7 +30,7 @@ import re
 import struct
 import subprocess
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
@@ -43,6 +49,10 @@ TRACKED_PACKAGES = (
     "huggingface_hub",
 )
 METADATA_FORMAT_VERSION = 1
+# Keys whose values are credentials: dropped from everything written (`portable`)
+SECRET_KEYS = frozenset({"hub_token", "token", "push_to_hub_token", "api_key", "password", "secret"})
+_HF_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/[^\s'\"`,;:()\[\]{}<>|*]+")
 _HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -122,12 +132,27 @@ def git_dirty(path: str | os.PathLike) -> bool | None:
     return None if out is None else out.strip() != ""
 
 
-def _replace(tmp: str, path: Path) -> None:
-    # mkstemp creates files readable by the owner only; give the result the mode a plain open() would have
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~umask)
-    os.replace(tmp, path)
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """`with atomic_path(path) as tmp:` write the file `tmp` (a fresh name in `path`'s folder, which is created);
+    when the block ends without an exception `tmp` replaces `path` in one `os.replace`, so a reader sees the old
+    file or the complete new one, never part of it (a kill leaves at most a `.NAME.*.tmp` file behind). On an
+    exception `tmp` is deleted. The result gets the mode a plain `open()` would give (mkstemp's files are 0o600).
+    The one atomic-write helper of hfl3: JSON, model cards, safetensors headers, plots, JSONL and data states."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp" + path.suffix)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _json_default(value: Any) -> Any:
@@ -147,6 +172,39 @@ def to_json_safe(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=_json_default))
 
 
+def _local_path_free(text: str) -> str:
+    def relative(match: re.Match) -> str:
+        path = match.group(0)
+        top = path.split("/")[1]
+        if not top or not os.path.isdir("/" + top):
+            return path  # not a path of this machine (e.g. a Hub URL fragment or prose)
+        try:
+            inside = Path(path).resolve().relative_to(Path.cwd().resolve())
+        except ValueError:
+            return Path(path.rstrip("/")).name or path
+        return str(inside)
+
+    return _HF_TOKEN.sub("<redacted>", _ABSOLUTE_PATH.sub(relative, text))
+
+
+def portable(obj: Any) -> Any:
+    """`obj` (JSON-like: dicts, lists, strings, numbers) with nothing of this machine in it, for anything written
+    into an output folder (DESIGN decision 10; issue 15 item 6):
+
+    - keys in `SECRET_KEYS` (`hub_token`, ...) are dropped, and `hf_...` token strings become `<redacted>`;
+    - absolute paths whose top folder exists here (`/home/...`, `/tmp/...`) become relative to the working
+      directory when inside it (`outputs/demo`), else their last component (`pytest-3/out` → `out`), in keys,
+      values and inside longer strings.
+    """
+    if isinstance(obj, Mapping):
+        return {_local_path_free(str(k)): portable(v) for k, v in obj.items() if str(k) not in SECRET_KEYS}
+    if isinstance(obj, (list, tuple)):
+        return [portable(v) for v in obj]
+    if isinstance(obj, str):
+        return _local_path_free(obj)
+    return obj
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     """Write `obj` as indented JSON to `path` atomically (temporary file in the same folder, then `os.replace`), so
     readers never see a half-written file. Values that JSON cannot hold are converted as in `to_json_safe`.
@@ -155,16 +213,9 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
         The path written.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(obj, indent=2, ensure_ascii=False, default=_json_default) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        _replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
     return path
 
 
@@ -218,28 +269,12 @@ def add_safetensors_metadata(file: str | os.PathLike, metadata: Mapping[str, str
         header["__metadata__"] = {**header.get("__metadata__", {}), **metadata}
         new_header = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         new_header += b" " * (-len(new_header) % 8)
-        fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(struct.pack("<Q", len(new_header)))
-                out.write(new_header)
-                while chunk := f.read(1 << 24):
-                    out.write(chunk)
-            _replace(tmp, file)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_path(file) as tmp, open(tmp, "wb") as out:
+            out.write(struct.pack("<Q", len(new_header)))
+            out.write(new_header)
+            while chunk := f.read(1 << 24):
+                out.write(chunk)
     return file
-
-
-def _front_matter(library_name: str, tags: Sequence[str], base_model: str | None) -> str:
-    import yaml
-
-    data: dict[str, Any] = {"library_name": library_name, "tags": list(tags)}
-    # The Hub validates base_model as a repository id; a local path would make the upload fail
-    if base_model and _HUB_REPO_ID.match(base_model) and not Path(base_model).exists():
-        data["base_model"] = base_model
-    return "---\n" + yaml.safe_dump(data, sort_keys=False, allow_unicode=True) + "---\n"
 
 
 def write_model_card(
@@ -252,9 +287,11 @@ def write_model_card(
     tags: Sequence[str] = ("hfl3",),
     base_model: str | None = None,
 ) -> Path:
-    """Write `output_dir/README.md`: YAML front matter (`library_name`, `tags`, and `base_model` when it is a Hub
-    repository id rather than a local path), the title, `extra_markdown`, a provenance summary (every `*sha256*` value
-    found in `metadata`, the package versions, the git commit) and the full `metadata` as JSON.
+    """Write `output_dir/README.md` with `huggingface_hub.ModelCard`: the YAML card data (`ModelCardData`:
+    `library_name`, `tags`, and `base_model` when it is a Hub repository id rather than a local path, since the Hub
+    validates it), the title, `extra_markdown`, a provenance summary (every `*sha256*` value found in `metadata`, the
+    package versions, the git commit) and the full `metadata` as JSON. Local paths and tokens are removed first
+    (`portable`).
 
     Args:
         output_dir: folder of the artifact (created if missing).
@@ -268,28 +305,25 @@ def write_model_card(
     Returns:
         The path of the README written (atomically).
     """
-    metadata = to_json_safe(dict(metadata))
-    hashes = dict(_find_hashes(metadata))
-    lines = [_front_matter(library_name, tags, base_model), f"# {title}", ""]
+    from huggingface_hub import ModelCard, ModelCardData
+
+    metadata = portable(to_json_safe(dict(metadata)))
+    hub_base = base_model if base_model and _HUB_REPO_ID.match(base_model) and not Path(base_model).exists() else None
+    data = ModelCardData(library_name=library_name, tags=list(tags), base_model=hub_base)
+    lines = [f"# {title}", ""]
     if extra_markdown:
         lines += [extra_markdown.strip(), ""]
     lines += ["## Provenance", "", "| what | value |", "|---|---|"]
-    lines += [f"| {key} | `{value}` |" for key, value in hashes.items()]
+    lines += [f"| {key} | `{value}` |" for key, value in _find_hashes(metadata)]
     lines.append(f"| git commit | `{metadata.get('git_commit')}` |")
     for package, version in metadata.get("versions", {}).items():
         lines.append(f"| {package} | {version} |")
     lines += ["", "<details><summary>metadata.json</summary>", "", "```json"]
     lines += [json.dumps(metadata, indent=2, ensure_ascii=False), "```", "", "</details>", ""]
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + portable("\n".join(lines)))
     path = Path(output_dir) / "README.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".README.md.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines))
-        _replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        card.save(tmp)
     return path
 
 
@@ -308,7 +342,7 @@ def push_folder_to_hub(
     repo_id: str,
     private: bool | None = None,
     token: str | None = None,
-    ignore_patterns: Sequence[str] = ("checkpoint-*", "checkpoint-*/**", "merged/**", "*.tmp", ".*"),
+    ignore_patterns: Sequence[str] = ("checkpoint-*", "checkpoint-*/**", "merged/**", "*.tmp", ".*", "_hfl3*"),
 ) -> str:
     """Upload `folder` (weights or adapter, tokenizer, metadata.json and README.md) to the Hub model repository
     `repo_id` with `huggingface_hub`, creating the repository if needed; checkpoints and temporary files are left
@@ -328,3 +362,61 @@ def push_folder_to_hub(
         ignore_patterns=list(ignore_patterns),
     )
     return str(commit)
+
+
+def provenance_header(metadata: Mapping[str, Any], max_section_bytes: int = 16384) -> dict[str, str]:
+    """The `.safetensors` header entries: every top-level section of `metadata` as a JSON string under
+    `hfl3.<section>`, except the argument sections (in `metadata.json` only); a section longer than
+    `max_section_bytes` as JSON (a corpus of thousands of files) keeps only its `*sha256*` entries."""
+    header = {}
+    for key, value in metadata.items():
+        if key in ("training_args", "script_args", "model_args"):
+            continue
+        text = json.dumps(value, sort_keys=True)
+        if len(text) > max_section_bytes:
+            text = json.dumps(dict(_find_hashes(value)), sort_keys=True)
+        header[f"hfl3.{key}"] = text
+    return header
+
+
+def stamp_folder(folder: str | os.PathLike, metadata: Mapping[str, Any], card: Mapping[str, Any]) -> None:
+    """Write `metadata.json`, add `provenance_header(metadata)` to each `*.safetensors` file of `folder` and write
+    the model card (`write_model_card(folder, metadata=metadata, **card)`); all atomic, all through `portable`."""
+    folder = Path(folder)
+    metadata = portable(to_json_safe(dict(metadata)))
+    write_json_atomic(folder / "metadata.json", metadata)
+    header = provenance_header(metadata)
+    for file in sorted(folder.glob("*.safetensors")):
+        add_safetensors_metadata(file, header)
+    write_model_card(folder, metadata=metadata, **card)
+
+
+class ProvenanceMixin:
+    """Trainer mixin (before `Trainer`/`SFTTrainer` in the bases): provenance on every save, for both hfl3 trainers.
+
+    Each `_save` (the final `save_model` and every checkpoint) drops the pickled `training_args.bin` the Trainer
+    writes (it would carry `hub_token`; `metadata.json` holds the arguments) and, when `self.provenance` (a
+    `build_metadata` dict) is set, stamps the folder (`stamp_folder`): `metadata.json`, the safetensors header, the
+    model card whose text `model_card(metadata)` returns. The Trainer's own `create_model_card` (TRL calls it into
+    `output_dir` before every checkpoint) writes that card too instead of its template.
+    """
+
+    provenance: dict | None = None
+
+    def model_card(self, metadata: Mapping[str, Any]) -> dict:
+        """Keyword arguments of `write_model_card` besides the folder and metadata; subclasses describe their model."""
+        return {"title": Path(self.args.output_dir).name, "tags": ("hfl3",)}
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save:
+            (Path(output_dir) / "training_args.bin").unlink(missing_ok=True)
+            if self.provenance is not None:
+                stamp_folder(output_dir, self.provenance, self.model_card(self.provenance))
+
+    def create_model_card(self, *args, **kwargs):
+        if self.provenance is None:
+            return super().create_model_card(*args, **kwargs)
+        # The card travels with the saved weights (`_save`); a card alone in output_dir would describe nothing yet
+        return None

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hfl3.provenance import atomic_path
+
 ROLES = ("system", "user", "assistant")
 MESSAGE_KEYS = frozenset({"role", "content"})
 MAX_LOGGED_ERRORS = 10
@@ -191,10 +193,7 @@ def messages_sha256(messages) -> bytes:
 def write_chat_jsonl(chats: Iterable[dict], path: str | os.PathLike) -> Path:
     """Write chats as JSONL (UTF-8, one object per line) atomically; returns the path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for chat in chats:
             f.write(json.dumps(chat, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
     return path

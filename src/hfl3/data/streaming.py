@@ -37,6 +37,7 @@ from safetensors.numpy import load_file, save_file
 
 from hfl3.data.packing import BestFitPacker, PackingReport, chunk_text, concatenate_documents, split_concatenated
 from hfl3.data.sources import Corpus
+from hfl3.provenance import atomic_path
 
 DATA_STATE_KEY = "data_state"
 STATE_FILE = "data_state_rank{rank}.safetensors"
@@ -458,9 +459,8 @@ class StreamProgress:
         meta = {"fingerprint": self.fingerprint, "world_size": self.world_size, "workers": self.workers,
                 "batches": self.batches, "sha256": self.sha256, "snapshots": snapshots}
         path = Path(folder) / STATE_FILE.format(rank=self.rank)
-        temporary = path.with_name(f".{path.name}.tmp")
-        save_file(arrays, temporary, metadata={"hfl3_stream_progress": json.dumps(meta)})
-        os.replace(temporary, path)
+        with atomic_path(path) as temporary:
+            save_file(arrays, temporary, metadata={"hfl3_stream_progress": json.dumps(meta)})
         return path
 
     @classmethod

@@ -10,12 +10,12 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 from transformers import EvalPrediction, Trainer, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
 
 from hfl3 import fp8
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DATA_STATE_KEY, PackedStream, StreamBatch, StreamProgress, stream_dataloader
 from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
+from hfl3.trainers.outputs import L3GPTOutputs, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class PretrainConfig(TrainingArguments):
     """`TrainingArguments` for pretraining, with nanochat's choices.
 
     Added fields: `optimizer` ("muon" or "adamw"; "muon" = `hfl3.optim.MuonAdamW`), `warmdown_ratio`,
-    `final_lr_frac`, `attend_across_documents`, `fp8`.
+    `final_lr_frac`, `attend_across_documents`, `fp8`, `overwrite_output_dir` (absent from transformers 5).
 
     Defaults that differ from `TrainingArguments`: `lr_scheduler_type="warmup_stable_decay"` (nanochat: warmup →
     constant → linear warmdown over the last `warmdown_ratio` of the steps to `final_lr_frac` × LR),
@@ -47,6 +47,8 @@ class PretrainConfig(TrainingArguments):
                   "position_ids"},
     )
     fp8: str | None = field(default=None, metadata={"help": "tensorwise or rowwise: hfl3.fp8 Float8Linear"})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "replace a non-empty output_dir's files "
+                                                                "when this run finishes"})
     lr_scheduler_type: str = field(default="warmup_stable_decay", metadata={"help": "see TrainingArguments"})
     learning_rate: float = field(default=3e-3, metadata={"help": "AdamW peak LR (Muon uses its group LRs)"})
     weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay on >=2-D weights"})
@@ -139,7 +141,7 @@ class BitsPerByte:
         return {"bpb": float(nats[counted].sum() / (math.log(2) * max(total_bytes, 1)))}
 
 
-class L3GPTTrainer(NonFiniteGuard, Trainer):  # NonFiniteGuard: issue 15, stop at a NaN/inf loss
+class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard first: it checks before a save
     """HF Trainer for pretraining. Overrides the optimizer (one place: `create_optimizer`), the default WSD
     schedule's step counts and the input-token count (no device sync per step); evaluation runs with hfl3 FP8
     layers swapped back to high precision.
@@ -149,7 +151,8 @@ class L3GPTTrainer(NonFiniteGuard, Trainer):  # NonFiniteGuard: issue 15, stop a
     dispatch its batches, or give every rank the whole stream); each consumed batch updates `data_progress` (worker
     states, chained sha256 of the rows), which every checkpoint saves (`data_state_rank{R}.safetensors`) and
     `train(resume_from_checkpoint=...)` restores, so a resumed run consumes exactly the rows an uninterrupted run
-    would have."""
+    would have. Output folders and checkpoints as `hfl3.trainers.outputs.L3GPTOutputs` makes them (staged, renamed
+    when complete, resume from `latest`, provenance on every save)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -166,10 +169,9 @@ class L3GPTTrainer(NonFiniteGuard, Trainer):  # NonFiniteGuard: issue 15, stop a
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`; with a streamed `train_dataset`, first the stream's progress: loaded from the checkpoint
-        (`True`: the last one in `output_dir`), else from the start."""
+        (`True` or `"latest"`: the newest complete one in `output_dir`), else from the start."""
         if isinstance(self.train_dataset, PackedStream):
-            checkpoint = get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True \
-                else resume_from_checkpoint
+            checkpoint = resolve_checkpoint(self.args.output_dir, resume_from_checkpoint)
             self.data_progress = self._new_data_progress(checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 

@@ -7,7 +7,6 @@ same trainer through `build_sft_trainer`.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
@@ -25,8 +24,9 @@ from hfl3.data.chat import write_chat_jsonl
 from hfl3.data.sft import SFTData, load_sft_data
 from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.models.l3gpt.linear_cross_entropy import linear_cross_entropy, register_zero3_owner
-from hfl3.provenance import add_safetensors_metadata, sha256_records, write_json_atomic, write_model_card
+from hfl3.provenance import sha256_records, stamp_folder
 from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments, check_vocabulary_fits
+from hfl3.trainers.outputs import SFTOutputs, sft_model_card, work_dir
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class SFTScriptArguments:
     """Data and output options of `recipes/sft_lora.py`.
 
     Data: `train_file` (chat JSONL) or `stdlib_chats` (build that many chats from the Python stdlib's docstrings,
-    written to `output_dir/stdlib_chats.jsonl`); evaluation from `eval_file` or a seeded `val_split`.
+    written to `output_dir/_hfl3_staging/work/stdlib_chats.jsonl`); evaluation from `eval_file` or a seeded `val_split`.
     Outputs: `merge` also writes a merged full model to `output_dir/merged`; `sample_prompts` are answered greedily
     by the trained model at the end (`samples.json`).
     """
@@ -120,6 +120,9 @@ class SFTLoRAConfig(SFTConfig):
     early_stopping_threshold: float = field(
         default=0.0, metadata={"help": "Minimum eval_loss decrease that counts as an improvement."}
     )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Replace a non-empty output_dir's files when this run finishes."}
+    )
 
     def __post_init__(self):
         check_training_arguments(self)  # issue 15: refuse a zero/negative learning rate or max_steps 0
@@ -182,7 +185,7 @@ def add_supervised_nll(model, owner: torch.nn.Module | None = None) -> None:
     model.forward = types.MethodType(forward, model)
 
 
-class HFL3SFTTrainer(NonFiniteGuard, SFTTrainer):  # NonFiniteGuard: issue 15, stop at a NaN/inf loss
+class HFL3SFTTrainer(NonFiniteGuard, SFTOutputs, SFTTrainer):  # NonFiniteGuard first: it checks before a save
     """TRL's `SFTTrainer` for pre-tokenized, pre-masked rows, with provenance on every save.
 
     Differences from `SFTTrainer`:
@@ -194,8 +197,9 @@ class HFL3SFTTrainer(NonFiniteGuard, SFTTrainer):  # NonFiniteGuard: issue 15, s
       more memory on CPU); on GPUs TRL's fused, chunked path is kept. Neither builds `(batch, seq, vocab)` logits;
     - `eval_loss` is the token-weighted mean NLL over all supervised tokens of the evaluation set (HF averages the
       per-batch means), and `eval_perplexity = exp(eval_loss)` is added (same for any `metric_key_prefix`);
-    - with `provenance` (a `build_metadata` dict), every save (checkpoints and `save_model`) writes `metadata.json`,
-      adds the hashes and versions to the `.safetensors` headers (`provenance_header`) and writes the model card.
+    - output folders and checkpoints as `hfl3.trainers.outputs.SFTOutputs` makes them: staged and renamed when
+      complete, resumable from `latest`, no `training_args.bin`, and with `provenance` (a `build_metadata` dict)
+      `metadata.json`, the `.safetensors` headers and the model card on every save.
 
     Args:
         provenance: metadata to attach to every saved artifact; may be replaced before the final `save_model`.
@@ -293,64 +297,6 @@ class HFL3SFTTrainer(NonFiniteGuard, SFTTrainer):  # NonFiniteGuard: issue 15, s
             output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(loss) if loss < 700 else math.inf
             output.metrics[f"{metric_key_prefix}_supervised_tokens"] = int(self._eval_token_count.item())
         return output
-
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        if self.provenance is None:
-            return super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        if self.is_world_process_zero():
-            write_sft_model_card(self.args.output_dir, self.provenance, adapter=True)
-
-    def _save(self, output_dir=None, state_dict=None):
-        super()._save(output_dir, state_dict)
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.provenance is not None and self.args.should_save:
-            stamp_folder(output_dir, self.provenance, adapter=True)
-
-
-def provenance_header(metadata: dict) -> dict[str, str]:
-    """The `.safetensors` header entries: every top-level section of `metadata` as a JSON string under
-    `hfl3.<section>`, except the bulky `training_args` (in `metadata.json` only)."""
-    return {f"hfl3.{k}": json.dumps(v, sort_keys=True) for k, v in metadata.items() if k != "training_args"}
-
-
-def write_sft_model_card(folder: str | os.PathLike, metadata: dict, adapter: bool) -> Path:
-    """README.md for an SFT output folder: how to load it, the results if any, and the provenance."""
-    base = metadata.get("base_model", {}).get("name_or_path")
-    if adapter:
-        usage = (
-            "LoRA adapter trained with hfl3's `recipes/sft_lora.py` (loss on assistant tokens only).\n\n"
-            f"```python\nimport hfl3  # only needed for L3GPT base models\nfrom peft import AutoPeftModelForCausalLM\n"
-            f"model = AutoPeftModelForCausalLM.from_pretrained({str(folder)!r})\n```"
-        )
-    else:
-        usage = (
-            "Full model: base weights with the LoRA adapter merged in, trained with hfl3's `recipes/sft_lora.py`.\n\n"
-            f"```python\nimport hfl3  # only needed for L3GPT models\nfrom transformers import AutoModelForCausalLM\n"
-            f"model = AutoModelForCausalLM.from_pretrained({str(folder)!r})\n```"
-        )
-    results = metadata.get("results")
-    if results:
-        usage += "\n\n## Results\n\n" + "\n".join(f"- {k}: {v}" for k, v in sorted(results.items()))
-    return write_model_card(
-        folder,
-        title=f"{Path(folder).name} (LoRA SFT of {base})",
-        metadata=metadata,
-        extra_markdown=usage,
-        library_name="peft" if adapter else "transformers",
-        tags=("hfl3", "sft", "lora", "trl"),
-        base_model=base,
-    )
-
-
-def stamp_folder(folder: str | os.PathLike, metadata: dict, adapter: bool) -> None:
-    """Write `metadata.json` and the model card into `folder` and add `provenance_header(metadata)` to each of its
-    `*.safetensors` files (atomic writes)."""
-    folder = Path(folder)
-    write_json_atomic(folder / "metadata.json", metadata)
-    header = provenance_header(metadata)
-    for file in sorted(folder.glob("*.safetensors")):
-        add_safetensors_metadata(file, header)
-    write_sft_model_card(folder, metadata, adapter=adapter)
 
 
 def load_tokenizer(model_args: SFTModelArguments, training_args: SFTLoRAConfig):
@@ -466,8 +412,9 @@ def build_sft_trainer(
     tokenizer = load_tokenizer(model_args, training_args)
     train_file = script_args.train_file
     if script_args.stdlib_chats:
-        # Each node's first process writes the file, the others read it (one file, no concurrent writers)
-        train_file = Path(training_args.output_dir) / "stdlib_chats.jsonl"
+        # Each node's first process writes the file, the others read it (one file, no concurrent writers); in the
+        # staging area: output_dir is not touched before training
+        train_file = work_dir(training_args.output_dir) / "stdlib_chats.jsonl"
         with training_args.main_process_first(desc="stdlib chats"):
             if training_args.local_process_index == 0:
                 write_chat_jsonl(stdlib_docstring_chats(script_args.stdlib_chats, seed=training_args.seed), train_file)
@@ -565,5 +512,6 @@ def save_merged_model(trainer: HFL3SFTTrainer, folder: str | os.PathLike, metada
     merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
     merged.save_pretrained(folder)
     trainer.processing_class.save_pretrained(folder)
-    stamp_folder(folder, {**metadata, "merged": True}, adapter=False)
+    merged_metadata = {**metadata, "merged": True}
+    stamp_folder(folder, merged_metadata, sft_model_card(merged_metadata, str(folder), folder, adapter=False))
     return folder

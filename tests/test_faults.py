@@ -1,0 +1,255 @@
+"""Crash safety of output folders and checkpoints (issue 15 items 1, 3, 4, 5, 6, 9; issue 14 items 1, 8).
+
+The launching test kills `recipes/pretrain.py` with SIGKILL (through `tests/fault_launch.py`) mid-step, mid-checkpoint
+and mid-final-save, resumes each time with `--resume_from_checkpoint latest`, and compares the result with an
+uninterrupted run. The other tests exercise each mechanism in process, without launching.
+"""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hfl3 import L3GPTConfig, L3GPTForCausalLM
+from hfl3.data.sources import open_corpus
+from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
+from hfl3.provenance import portable, stamp_folder
+from hfl3.tokenization import train_tokenizer
+from hfl3.trainers.outputs import (
+    STAGING,
+    commit_folder,
+    latest_checkpoint,
+    portable_base_model,
+    prepare_output_dir,
+)
+from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
+
+TINY = ["--max_steps", "12", "--save_strategy", "steps", "--save_steps", "4", "--logging_steps", "2",
+        "--tokenizer_train_chars", "100000", "--l3_sample_tokens", "20000", "--max_eval_rows", "4"]
+
+
+def launch(repo_root, output_dir, *extra, kill=None):
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch",
+        "--config_file", str(repo_root / "accelerate_configs" / "cpu.yaml"), "--num_cpu_threads_per_process", "2",
+        str(repo_root / "tests" / "fault_launch.py"), str(repo_root / "recipes" / "pretrain.py"),
+        "--config", str(repo_root / "recipes" / "configs" / "pretrain_tiny.yaml"), "--output_dir", str(output_dir),
+        *TINY, *extra,
+    ]
+    env = {**os.environ, "HFL3_KILL": kill or ""}
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=repo_root, env=env)
+
+
+def snapshot(folder):
+    """{name: (bytes, mtime_ns)} of the files directly in `folder`."""
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file()}
+
+
+@pytest.mark.slow
+def test_killed_three_times_the_run_resumes_to_the_uninterrupted_weights(tmp_path, repo_root):
+    reference = tmp_path / "reference"
+    result = launch(repo_root, reference)
+    assert result.returncode == 0, result.stderr[-4000:]
+    # the reference folder is complete and holds no pickle, token or local path
+    for name in ["model.safetensors", "tokenizer.json", "metadata.json", "README.md", "all_results.json"]:
+        assert (reference / name).is_file(), name
+    assert not list(reference.rglob("training_args.bin")) and not (reference / STAGING).exists()
+    for name in ["metadata.json", "README.md", "checkpoint-12/trainer_state.json"]:
+        assert str(tmp_path) not in (reference / name).read_text(), name
+
+    # A new run over the finished folder (--overwrite_output_dir), killed mid-step: the old files are untouched
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    before = snapshot(run)
+    result = launch(repo_root, run, "--overwrite_output_dir", kill="step:6")
+    assert result.returncode != 0
+    assert snapshot(run) == before  # old code wrote the new tokenizer into output_dir before training
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-4"]  # the old run's went with it
+
+    # Killed mid-checkpoint (optimizer.pt of checkpoint-8 written empty): checkpoint-8 never appears
+    result = launch(repo_root, run, "--resume_from_checkpoint", "latest", kill="save:checkpoint-8/optimizer.pt")
+    assert result.returncode != 0 and "Resuming" not in result.stderr[-200:]
+    assert not (run / "checkpoint-8").exists() and (run / STAGING / "checkpoints" / "checkpoint-8").is_dir()
+
+    # Killed mid-final-save (the staged model.safetensors written): the old folder is still whole
+    result = launch(repo_root, run, "--resume_from_checkpoint", "latest", kill="save:final/model.safetensors")
+    assert result.returncode != 0
+    assert "skipping checkpoint-8: interrupted while saving" in result.stderr
+    assert snapshot(run)["model.safetensors"] == before["model.safetensors"]
+    assert snapshot(run)["metadata.json"] == before["metadata.json"]
+
+    result = launch(repo_root, run, "--resume_from_checkpoint", "true")
+    assert result.returncode == 0, result.stderr[-4000:]
+    resumed, uninterrupted = load_file(run / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    # train_loss over the whole run (12 steps), not the 0 steps of the last launch
+    results = [json.loads((folder / "all_results.json").read_text()) for folder in (run, reference)]
+    assert results[0]["train_loss"] == pytest.approx(results[1]["train_loss"], rel=1e-6)
+    assert results[0]["train_steps_per_second"] < 10 * results[1]["train_steps_per_second"]
+    metadata = json.loads((run / "metadata.json").read_text())
+    assert metadata["data"]["train_tokens_sha256"] == json.loads(
+        (reference / "metadata.json").read_text())["data"]["train_tokens_sha256"]
+
+
+def test_a_non_empty_output_dir_is_refused_before_any_work(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"old")
+    args = PretrainConfig(output_dir=str(tmp_path), report_to="none")
+    with pytest.raises(FileExistsError, match="--resume_from_checkpoint latest to continue.*--overwrite_output_dir"):
+        prepare_output_dir(args)
+    args.overwrite_output_dir = True
+    assert prepare_output_dir(args) is None
+    assert (tmp_path / "model.safetensors").read_bytes() == b"old"
+    empty = tmp_path / "fresh"
+    (empty / STAGING / "work").mkdir(parents=True)  # leftovers of a run killed before its first checkpoint
+    assert prepare_output_dir(PretrainConfig(output_dir=str(empty), report_to="none")) is None
+
+
+def test_latest_skips_incomplete_checkpoints_with_a_warning(tmp_path, caplog):
+    for step, files in [(2, {"trainer_state.json": "{}", "optimizer.pt": "x"}),
+                        (4, {"trainer_state.json": "{}", "optimizer.pt": ""}),  # killed mid-save by the old code
+                        (6, {"optimizer.pt": "x"})]:
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        for name, text in files.items():
+            (tmp_path / f"checkpoint-{step}" / name).write_text(text)
+    (tmp_path / STAGING / "checkpoints" / "checkpoint-8").mkdir(parents=True)
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
+    assert "checkpoint-8: interrupted" in caplog.text and "empty file(s) optimizer.pt" in caplog.text
+    assert "checkpoint-6: trainer_state.json unreadable" in caplog.text
+    args = PretrainConfig(output_dir=str(tmp_path), resume_from_checkpoint="latest", report_to="none")
+    assert prepare_output_dir(args) == str(tmp_path / "checkpoint-2") == args.resume_from_checkpoint
+    with pytest.raises(ValueError, match="incomplete checkpoint"):
+        prepare_output_dir(PretrainConfig(output_dir=str(tmp_path), resume_from_checkpoint=str(tmp_path /
+                                                                                                  "checkpoint-4")))
+
+
+def test_commit_replaces_the_folder_weights_last_and_finishes_after_a_kill(tmp_path, monkeypatch):
+    folder, staged = tmp_path / "out", tmp_path / "out" / STAGING / "final"
+    staged.mkdir(parents=True)
+    for name in ["model.safetensors", "metadata.json", "stale.safetensors", "keep.txt"]:
+        (folder / name).write_text("old")
+    for name in ["model.safetensors", "metadata.json", "README.md"]:
+        (staged / name).write_text("new")
+    order = []
+    rename = type(staged).rename
+    monkeypatch.setattr(type(staged), "rename", lambda self, target: (order.append((self.name, str(target))),
+                                                                      rename(self, target))[1])
+    commit_folder(staged, folder)
+    moves_in = [name for name, target in order if STAGING not in target]
+    assert moves_in[-1] == "model.safetensors" and order[0][0] in ("model.safetensors", "stale.safetensors")
+    assert {p.name: p.read_text() for p in folder.iterdir()} == {
+        "model.safetensors": "new", "metadata.json": "new", "README.md": "new", "keep.txt": "old"}
+
+    # a kill after the old files left and before the new weights arrived: prepare_output_dir finishes the commit
+    staged.mkdir(parents=True)
+    (staged / "model.safetensors").write_text("newer")
+    (staged / ".complete").touch()
+    prepare_output_dir(PretrainConfig(output_dir=str(folder), overwrite_output_dir=True, report_to="none"))
+    assert (folder / "model.safetensors").read_text() == "newer" and not (folder / STAGING).exists()
+
+
+def test_outputs_hold_no_token_and_no_local_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    secret = "hf_" + "a1B2" * 9
+    metadata = {"training_args": {"hub_token": secret, "output_dir": str(tmp_path / "outputs" / "demo"),
+                                  "logging_dir": "/tmp/elsewhere/runs"},
+                "data": {"files_sha256": {str(tmp_path / "train.jsonl"): "ab" * 32}, "note": f"token {secret}"},
+                "base_model": {"name_or_path": "Qwen/Qwen3-0.6B"}}
+    cleaned = portable(metadata)
+    assert cleaned["training_args"] == {"output_dir": "outputs/demo", "logging_dir": "runs"}
+    assert cleaned["data"] == {"files_sha256": {"train.jsonl": "ab" * 32}, "note": "token <redacted>"}
+    folder = tmp_path / "outputs" / "demo"
+    folder.mkdir(parents=True)
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, folder / "adapter_model.safetensors")
+    stamp_folder(folder, metadata, {"title": "t", "extra_markdown": f"from_pretrained({str(folder)!r})",
+                                    "base_model": "Qwen/Qwen3-0.6B"})
+    for name in ["metadata.json", "README.md", "adapter_model.safetensors"]:
+        data = (folder / name).read_bytes()
+        assert str(tmp_path).encode() not in data and secret.encode() not in data and b"/tmp/" not in data, name
+    assert "base_model: Qwen/Qwen3-0.6B" in (folder / "README.md").read_text()
+
+
+def test_adapter_base_model_is_a_hub_id_or_relative(tmp_path):
+    base, adapter = tmp_path / "outputs" / "pretrain", tmp_path / "outputs" / "sft"
+    base.mkdir(parents=True)
+    (base / "config.json").write_text(json.dumps({"model_type": "l3gpt"}))
+    assert portable_base_model("Qwen/Qwen3-0.6B", adapter) == "Qwen/Qwen3-0.6B"
+    assert portable_base_model(str(base), adapter) == "../pretrain"
+    (base / "metadata.json").write_text(json.dumps({"training_args": {"hub_model_id": "me/l3gpt-tiny"}}))
+    assert portable_base_model(str(base), adapter) == "me/l3gpt-tiny"
+
+
+@pytest.fixture(scope="module")
+def stream(assets):
+    text = assets / "text" / "tinyshakespeare.txt"
+    tokenizer = train_tokenizer([text.read_text()[:60_000]], vocab_size=384)
+    source = DocumentSource(open_corpus(str(text)), DocumentSplit(0.05, seed=0), seed=0, read_batch=32)
+    return PackedStream(source, tokenizer, max_seq_len=32, document_max_chars=64, packing_buffer=32,
+                        shuffle_buffer=32)
+
+
+def tiny_trainer(output_dir, stream, depth=1, **kwargs):
+    torch.manual_seed(0)
+    config = L3GPTConfig.from_depth(depth, vocab_size=len(stream.tokenizer), aspect_ratio=32, head_dim=32,
+                                    max_position_embeddings=32, window_pattern="L")
+    args = PretrainConfig(**{"output_dir": str(output_dir), "per_device_train_batch_size": 2, "learning_rate": 5e-3,
+                             "logging_steps": 1, "eval_strategy": "no", "seed": 0, "disable_tqdm": True,
+                             "report_to": "none", "save_strategy": "steps", **kwargs})
+    return L3GPTTrainer(model=L3GPTForCausalLM(config), args=args, train_dataset=stream,
+                        processing_class=stream.tokenizer, data_collator=PackedCollator(stream.tokenizer.bos_token_id))
+
+
+def test_resume_reports_the_whole_run_and_refuses_another_model(tmp_path, stream):
+    full = tiny_trainer(tmp_path / "full", stream, max_steps=4, save_steps=2).train()
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert not (checkpoint / "training_args.bin").exists() and (checkpoint / "tokenizer.json").is_file()
+    resumed = tiny_trainer(tmp_path / "full", stream, max_steps=4, save_steps=2).train(str(checkpoint))
+    assert resumed.metrics["train_loss"] == pytest.approx(full.metrics["train_loss"], rel=1e-5)
+    assert resumed.global_step == 4
+    # from the last checkpoint: nothing to train (transformers 5.23 would run a 5th step on a stream)
+    finished = tiny_trainer(tmp_path / "full", stream, max_steps=4, save_steps=2)
+    metrics = finished.train("latest").metrics
+    assert metrics["train_loss"] == pytest.approx(full.metrics["train_loss"], rel=1e-5)
+    assert finished.state.num_input_tokens_seen == 4 * 2 * 32
+    with pytest.raises(ValueError, match=r"belongs to another run.*num_hidden_layers: 1 \(checkpoint\) vs 2"):
+        tiny_trainer(tmp_path / "full", stream, depth=2, max_steps=4, save_steps=2).train("latest")
+
+
+def test_sft_saves_no_token_and_resume_refuses_other_data(tmp_path, stream):
+    from test_sft_recipe import chats, tiny_l3gpt
+
+    from hfl3.data.chat import write_chat_jsonl
+    from hfl3.data.sft import load_sft_data
+    from hfl3.provenance import build_metadata
+    from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig, SFTModelArguments, lora_config
+
+    tokenizer, secret = stream.tokenizer, "hf_" + "Z9y8" * 9
+
+    def trainer_on(answer_word, seed):
+        data = load_sft_data(tokenizer, write_chat_jsonl(chats(answer_word, 8, seed=seed), tmp_path / f"{seed}.jsonl"),
+                             max_length=64)
+        args = SFTLoRAConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
+                             eval_strategy="no", load_best_model_at_end=False, save_strategy="steps", save_steps=2,
+                             max_length=64, hub_token=secret, report_to="none", disable_tqdm=True, seed=0)
+        return HFL3SFTTrainer(model=tiny_l3gpt(tokenizer), args=args, train_dataset=data.train,
+                              processing_class=tokenizer, peft_config=lora_config(SFTModelArguments(lora_r=4)),
+                              provenance=build_metadata(data=data.provenance, training_args=args.to_dict()))
+
+    trainer_on("good", 0).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / "metadata.json").is_file() and (checkpoint / "adapter_model.safetensors").is_file()
+    files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert not [p for p in files if p.name == "training_args.bin"]  # a pickle holding hub_token
+    assert not [p for p in files if secret.encode() in p.read_bytes()]
+    with pytest.raises(ValueError, match="belongs to another run.*data.train_records_sha256"):
+        trainer_on("night", 1).train("latest")
