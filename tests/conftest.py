@@ -1,5 +1,6 @@
 """Shared fixtures: real assets from ../shared/assets (override with HFL3_ASSETS), offline Hub."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -26,6 +27,15 @@ def assets() -> Path:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def sft_recipe():
+    """The module `recipes/sft_lora.py` (its argument classes, `build_trainer`, `make_parser`, `main`)."""
+    spec = importlib.util.spec_from_file_location("sft_lora", REPO_ROOT / "recipes" / "sft_lora.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    return recipe
 
 
 HIDE_HFL3 = """

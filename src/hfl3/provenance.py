@@ -328,3 +328,10 @@ def push_folder_to_hub(
         ignore_patterns=list(ignore_patterns),
     )
     return str(commit)
+
+
+def config_sha256(config) -> str:
+    """SHA-256 of a model config's canonical JSON, without the fields that name where or with what it was saved
+    (`_name_or_path`, `transformers_version`)."""
+    values = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    return sha256_records([values])

@@ -1,6 +1,7 @@
 """How a recipe is started, shared by `recipes/pretrain.py` and `recipes/sft_lora.py`: its arguments parsed with one
 clear message on a bad one, and checks on how it was launched."""
 
+import argparse
 import logging
 import os
 from collections.abc import Sequence
@@ -8,6 +9,22 @@ from collections.abc import Sequence
 import yaml
 
 logger = logging.getLogger(__name__)
+
+
+def add_config_argument(parser):
+    """Document `--config FILE` in the recipe's `--help`, first among the options. `TrlParser.parse_args_and_config`
+    takes `--config` out of the arguments itself before argparse sees them, so the argument only shows in the help
+    (`default=SUPPRESS`: it never reaches the parsed dataclasses). The recipe's dataclasses carry
+    `_argument_group_name`, so each is its own group of options listed after this one, in the parser's order.
+
+    Returns:
+        `parser`.
+    """
+    parser.add_argument(
+        "--config", metavar="FILE", default=argparse.SUPPRESS,
+        help="YAML file of option values (recipes/configs/*.yaml); options given on the command line override it",
+    )
+    return parser
 
 
 def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
