@@ -29,13 +29,22 @@ def repo_root() -> Path:
     return REPO_ROOT
 
 
-@pytest.fixture(scope="session")
-def sft_recipe():
-    """The module `recipes/sft_lora.py` (its argument classes, `build_trainer`, `make_parser`, `main`)."""
-    spec = importlib.util.spec_from_file_location("sft_lora", REPO_ROOT / "recipes" / "sft_lora.py")
+def load_recipe(name: str):
+    """The module `recipes/<name>.py` (its argument classes, `make_parser`, `main`, ...)."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "recipes" / f"{name}.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     return recipe
+
+
+@pytest.fixture(scope="session")
+def sft_recipe():
+    return load_recipe("sft_lora")
+
+
+@pytest.fixture(scope="session")
+def pretrain_recipe():
+    return load_recipe("pretrain")
 
 
 HIDE_HFL3 = """
