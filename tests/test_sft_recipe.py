@@ -221,7 +221,8 @@ def tokenizers(assets, l3gpt_folder):
 
 
 def lora(r: int = 4, alpha: int = 8) -> LoraConfig:
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                      task_type="CAUSAL_LM")
 
 
 def make_trainer(tmp_path, tokenizer, build, packing=False):
