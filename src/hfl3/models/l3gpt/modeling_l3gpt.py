@@ -572,7 +572,7 @@ class L3GPTModel(L3GPTPreTrainedModel):
 
 
 class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
-    """L3GPT with an untied output head and a logit softcap `c·tanh(logits/c)` (computed in float32, c =
+    """L3GPT with an untied output head and a logit softcap `c·tanh(logits/c)` (computed in float32 or wider, c =
     `config.final_logit_softcapping`; the returned logits are in the head's dtype, as Qwen3's). Loss: transformers'
     `ForCausalLMLoss` semantics on unshifted `labels` (the shift is inside; -100 ignored), exact under gradient
     accumulation when the Trainer passes `num_items_in_batch`.
@@ -620,7 +620,7 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
 
         Returns:
             `CausalLMOutputWithPast`: `loss` (nats per target token) when `labels` is given; `logits`
-            `(batch_size, kept_len, vocab_size)` in `lm_head.weight`'s dtype (the softcap and the loss run in float32),
+            `(batch_size, kept_len, vocab_size)` in `lm_head.weight`'s dtype (the softcap and the loss run in float32 or wider),
             or None in training mode with `labels` unless `return_logits`; `hidden_states` / `attentions` when asked
             for (see [`L3GPTModel.forward`]).
         """
@@ -643,7 +643,8 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
                                           hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         logits = self.lm_head(hidden_states)  # (B, T, V)
         if cap is not None:
-            logits = cap * torch.tanh(logits.float() / cap)  # float32 as nanochat's; ForCausalLMLoss upcasts too
+            # at least float32, as nanochat's (ForCausalLMLoss upcasts too); a float64 model keeps float64
+            logits = cap * torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
