@@ -620,9 +620,9 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
 
         Returns:
             `CausalLMOutputWithPast`: `loss` (nats per target token) when `labels` is given; `logits`
-            `(batch_size, kept_len, vocab_size)` in `lm_head.weight`'s dtype (the softcap and the loss run in float32 or wider),
-            or None in training mode with `labels` unless `return_logits`; `hidden_states` / `attentions` when asked
-            for (see [`L3GPTModel.forward`]).
+            `(batch_size, kept_len, vocab_size)` in `lm_head.weight`'s dtype (the softcap and the loss run in float32
+            or wider), or None in training mode with `labels` unless `return_logits`; `hidden_states` / `attentions`
+            when asked for (see [`L3GPTModel.forward`]).
         """
         register_zero3_owner(self, self.lm_head.weight)
         outputs = self.model(
