@@ -168,7 +168,7 @@ def recipe_memory(corpus: Path, tokenizer_dir: Path, output_dir: Path) -> dict:
     command = [sys.executable, str(REPO_ROOT / "recipes" / "pretrain.py"), "--dataset", str(corpus),
                "--document_separator", SEPARATOR, "--tokenizer_name_or_path", str(tokenizer_dir),
                "--output_dir", str(output_dir), "--max_steps", "20", "--depth", "2", "--aspect_ratio", "32",
-               "--head_dim", "32", "--max_seq_len", "256", "--window_pattern", "SL", "--per_device_train_batch_size",
+               "--head_dim", "32", "--max_length", "256", "--window_pattern", "SL", "--per_device_train_batch_size",
                "4", "--per_device_eval_batch_size", "4", "--dataloader_num_workers", "2", "--val_fraction", "0.01",
                "--max_eval_rows", "16", "--eval_steps", "20", "--logging_steps", "10", "--report_to", "none",
                "--disable_tqdm", "true", "--sample_prompts", "The"]

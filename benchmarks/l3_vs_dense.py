@@ -86,7 +86,7 @@ class BenchmarkArguments:
     max_steps: int = field(default=600, metadata={"help": "optimizer steps per run"})
     batch_size: int = field(default=8, metadata={"help": "rows per step"})
     learning_rate: float = field(default=3e-3, metadata={"help": "AdamW LR (PretrainConfig default)"})
-    optimizer: str = field(default="adamw", metadata={"help": "adamw or muon (PretrainConfig.optimizer)"})
+    optim: str = field(default="adamw_torch", metadata={"help": "adamw_torch or muon (PretrainConfig.optim)"})
     lr_scheduler_type: str = field(default="constant_with_warmup", metadata={"help": "see module docstring"})
     warmup_steps: int = field(default=20, metadata={"help": "LR warmup steps"})
     eval_steps: int = field(default=50, metadata={"help": "evaluate every this many steps"})
@@ -234,7 +234,7 @@ def make_trainer(args, config, allocation, tokenizer, packed, seed, output_dir, 
         model.set_l3_allocation(allocation)
     training_args = PretrainConfig(**dict(
         output_dir=output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size, learning_rate=args.learning_rate, optimizer=args.optimizer,
+        per_device_eval_batch_size=args.batch_size, learning_rate=args.learning_rate, optim=args.optim,
         lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps, eval_steps=args.eval_steps,
         logging_steps=args.eval_steps, seed=seed, data_seed=seed, report_to="none", disable_tqdm=True,
         dataloader_num_workers=0,

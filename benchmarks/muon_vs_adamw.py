@@ -40,7 +40,8 @@ from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArgu
 from transformers.utils import logging as hf_logging
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.data.text import chunk_documents, load_corpus, pack_best_fit, split_documents, tokenize_documents
+from hfl3.data.sft import split_indices
+from hfl3.data.text import chunk_documents, load_corpus, pack_best_fit, tokenize_documents
 from hfl3.models.l3gpt.allocation import lzw_allocation
 from hfl3.optim import MuonAdamW, create_muon_optimizer, param_groups_by_kind
 from hfl3.tokenization import token_bytes, train_tokenizer
@@ -79,7 +80,7 @@ def build_data(args):
     """Packed train rows, validation rows and token byte lengths from Tiny Shakespeare + the Gutenberg novels."""
     text = Path(args.assets) / "text"
     corpus, _ = load_corpus(f"{text / 'tinyshakespeare.txt'},{text / 'gutenberg'}")
-    train_docs, val_docs = split_documents(corpus, val_fraction=0.1, seed=args.seed)
+    train_docs, val_docs = (corpus.select(i) for i in split_indices(len(corpus), val_split=0.1, seed=args.seed))
     # pieces of ~3 characters per token of context, so that packing seldom has to crop a document
     train_docs, val_docs = chunk_documents(train_docs, 3 * args.seq_len), chunk_documents(val_docs, 3 * args.seq_len)
     tokenizer = train_tokenizer(iter(train_docs["text"]), vocab_size=args.vocab_size)

@@ -11,7 +11,7 @@ Rows (each in a fresh process, so peak memory is its own):
   bf16 on, no packing, loss on every token: TRL cannot mask the stock Qwen3 template) and `LoraConfig` q/v r=16;
   on a CPU `use_cpu=True` is added, without which the default bf16 refuses to start.
 - `trl_matched`: the same with the recipe's CPU precision and checkpointing (fp32, no activation checkpointing).
-- `hfl3`: `build_sft_trainer` from `recipes/configs/sft_gsm8k.yaml` (assistant-only masks; off GPU the loss is a
+- `hfl3`: the recipe's `build_trainer` from `recipes/configs/sft_gsm8k.yaml` (assistant-only masks; off GPU the loss is a
   chunked linear + cross-entropy over the supervised positions, `add_supervised_nll`).
 - `hfl3_packed`: the same with `--packing` (TRL's best-fit decreasing, padding-free).
 
@@ -89,7 +89,6 @@ def worker(row: str, args) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     from hfl3.data.chat import read_chat_jsonl
-    from hfl3.trainers.sft import build_sft_trainer
 
     records = read_chat_jsonl(args.data)[: args.n_train]
     subset = Path(args.work) / "train.jsonl"
@@ -115,17 +114,17 @@ def worker(row: str, args) -> dict:
         )
     else:
         sys.path.insert(0, str(REPO / "recipes"))
-        from sft_lora import make_parser
+        from sft_lora import build_trainer, make_parser
 
         with open(subset, "w", encoding="utf-8") as f:
             f.writelines(json.dumps({"messages": list(r.messages)}) + "\n" for r in records)
         cli = ["--config", str(REPO / "recipes" / "configs" / "sft_gsm8k.yaml"), "--model_name_or_path", args.model,
                "--train_file", str(subset), "--eval_file", "", "--eval_strategy", "no",
-               "--load_best_model_at_end", "false", "--lr_scheduler_type", "linear", "--warmup_steps", "0"]
+               "--lr_scheduler_type", "linear", "--warmup_steps", "0"]
         cli += [f"--{key}={value}" for key, value in common.items()] + (["--packing"] if row == "hfl3_packed" else [])
-        script_args, training_args, model_args = make_parser().parse_args_and_config(cli)
+        script_args, model_args, training_args = make_parser().parse_args_and_config(cli)
         script_args.eval_file = None
-        trainer, _, _ = build_sft_trainer(script_args, training_args, model_args)
+        trainer, _, _ = build_trainer(script_args, training_args, model_args)
     timer = Timer(lambda: trainer)
     trainer.add_callback(timer.callback)
     if torch.cuda.is_available():

@@ -16,7 +16,7 @@ run: timing does not depend on the text), and the device is synchronised at each
 includes the device work it waits for: the Trainer's per-step host syncs show up as lost overlap.
 
     python benchmarks/trainer_overhead.py
-    python benchmarks/trainer_overhead.py --optimizer adamw --dense   # no L3 layer, AdamW
+    python benchmarks/trainer_overhead.py --optim adamw_torch --dense   # no L3 layer, AdamW
     OMP_NUM_THREADS=1 python benchmarks/trainer_overhead.py --json benchmarks/results/trainer_overhead_cpu.json
     python benchmarks/trainer_overhead.py --dense --compile true --json benchmarks/results/trainer_overhead_h100.json
 
@@ -63,7 +63,7 @@ class OverheadArguments:
     compile: bool = field(default=False, metadata={"help": "torch.compile the model in both paths"})
     l3_after_layers: list[int] = field(default_factory=lambda: [0], metadata={"help": "L3 layers"})
     dense: bool = field(default=False, metadata={"help": "no L3 layer (ignore l3_after_layers)"})
-    optimizer: str = field(default="muon", metadata={"help": "muon (MuonAdamW) or adamw"})
+    optim: str = field(default="muon", metadata={"help": "muon (MuonAdamW) or adamw_torch (PretrainConfig.optim)"})
     steps: int = field(default=40, metadata={"help": "measured step pairs per round"})
     warmup_steps: int = field(default=5, metadata={"help": "step pairs dropped at the start of each round"})
     rounds: int = field(default=2, metadata={"help": "fresh models and Trainer per round"})
@@ -110,7 +110,7 @@ def build_model(args: OverheadArguments, tokenizer, allocation_sample, seed: int
 
 def plain_loop(model, training_args: PretrainConfig, dataset, collator):
     """The plain PyTorch equivalent of the Trainer's step; a generator that performs one step per `next()`."""
-    if training_args.optimizer == "muon":
+    if training_args.optim == "muon":
         from hfl3.optim import create_muon_optimizer
 
         optimizer = create_muon_optimizer(model, training_args, num_training_steps=training_args.max_steps)
@@ -173,7 +173,7 @@ def run_round(args: OverheadArguments, tokenizer, packed, allocation_sample, out
     steps = args.warmup_steps + args.steps + 1  # the first Trainer interval ends at the 2nd step
     training_args = PretrainConfig(
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=args.batch_size,
-        optimizer=args.optimizer, warmup_steps=3, eval_strategy="no", train_sampling_strategy="sequential",
+        optim=args.optim, warmup_steps=3, eval_strategy="no", train_sampling_strategy="sequential",
         logging_steps=min(10, steps),
         report_to="none", seed=seed, dataloader_num_workers=0, dataloader_pin_memory=False,
         bf16=torch.cuda.is_available(), torch_compile=args.compile,
@@ -215,7 +215,7 @@ def main(args: OverheadArguments) -> dict:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} threads)"
     results["device"] = device
     print(f"\nTrainer overhead on {device}: L3GPT depth {args.depth}, L3 after "
-          f"{'none' if args.dense else args.l3_after_layers}, {args.optimizer}, batch {args.batch_size}×{args.seq_len}, "
+          f"{'none' if args.dense else args.l3_after_layers}, {args.optim}, batch {args.batch_size}×{args.seq_len}, "
           f"compile {args.compile}, {'bf16' if torch.cuda.is_available() else 'fp32'}, {len(paired)} alternating step "
           f"pairs ({args.rounds} rounds)")
     print(f"{'path':<14}{'median ms':>10}{'mean ms':>9}{'p10 ms':>8}{'p90 ms':>8}{'tok/s':>8}")

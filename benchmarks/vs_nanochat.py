@@ -153,7 +153,7 @@ def run_hfl3(args: VsNanochatArguments, with_l3: bool, output_dir: str) -> dict:
     window = Window(args.warmup_steps, total)
     cuda = torch.cuda.is_available()
     training_args = PretrainConfig(
-        output_dir=output_dir, max_steps=total, per_device_train_batch_size=args.batch_size, optimizer="muon",
+        output_dir=output_dir, max_steps=total, per_device_train_batch_size=args.batch_size, optim="muon",
         bf16=cuda, torch_compile=args.compile, warmup_steps=2, eval_strategy="no", report_to="none",
         logging_steps=args.steps, disable_tqdm=True, dataloader_num_workers=2 if cuda else 0,
         attend_across_documents=True, save_strategy="no",

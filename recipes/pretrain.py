@@ -4,7 +4,7 @@
     accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain.py --config recipes/configs/demo.yaml
     # the Gutenberg novels in ../shared/assets/text, Muon
     accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain.py \
-        --config recipes/configs/gutenberg.yaml --optimizer muon
+        --config recipes/configs/gutenberg.yaml --optim muon
     # one GPU
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/pretrain.py \
         --config recipes/configs/gutenberg.yaml --depth 12 --bf16
@@ -42,7 +42,7 @@ from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
 from hfl3.trainers.guards import exit_on_training_error
-from hfl3.trainers.launch import check_world_size, parse_recipe_args
+from hfl3.trainers.launch import add_config_argument, check_world_size, parse_recipe_args
 from hfl3.trainers.outputs import prepare_output_dir, work_dir
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 
@@ -51,6 +51,8 @@ logger = logging.getLogger("hfl3.pretrain")
 
 @dataclass
 class ScriptArguments:
+    _argument_group_name = "data and tokenizer (recipes/pretrain.py)"
+
     dataset: str = field(default="stdlib", metadata={"help": "comma-separated: stdlib, .txt/.jsonl/.json/.parquet "
                                                      "files, folders and globs, or datasets names (Hub or disk)"})
     dataset_config: str | None = field(default=None, metadata={"help": "configuration of a datasets source"})
@@ -66,7 +68,7 @@ class ScriptArguments:
     val_fraction: float = field(default=0.05, metadata={"help": "share of documents held out (hash split)"})
     max_eval_rows: int = field(default=256, metadata={"help": "packed validation rows, built once"})
     document_max_chars: int | None = field(default=None, metadata={"help": "cut documents into pieces of at most "
-                                                                   "this many characters (default: max_seq_len; 0: "
+                                                                   "this many characters (default: max_length; 0: "
                                                                    "whole)"})
     shuffle_buffer: int = field(default=1000, metadata={"help": "pieces in the seeded shuffle buffer (0: in order)"})
     packing_buffer: int = field(default=1000, metadata={"help": "pieces the best-fit packing chooses from"})
@@ -83,23 +85,38 @@ class ScriptArguments:
 
 @dataclass
 class ModelArguments:
+    """The model's size and shape: `L3GPTConfig.from_depth(depth, ...)` with the fields given here; a field left at
+    None takes `L3GPTConfig`'s (or `from_depth`'s) own default, so no default is repeated here. The vocabulary comes
+    from the tokenizer and `max_position_embeddings` from `--max_length`."""
+
+    _argument_group_name = "model (L3GPTConfig.from_depth; None: the config's default)"
+
     depth: int = field(default=4, metadata={"help": "decoder layers; sizes the model (nanochat --depth)"})
-    aspect_ratio: int = field(default=64, metadata={"help": "hidden_size = depth * aspect_ratio (rounded)"})
-    head_dim: int = field(default=128, metadata={"help": "attention head width"})
+    aspect_ratio: int | None = field(default=None, metadata={"help": "hidden_size = depth * aspect_ratio (rounded "
+                                                             "up to head_dim)"})
+    head_dim: int | None = field(default=None, metadata={"help": "attention head width"})
     num_key_value_heads: int | None = field(default=None, metadata={"help": "GQA key/value heads"})
-    max_seq_len: int = field(default=512, metadata={"help": "packed row length (tokens)"})
-    window_pattern: str = field(default="SSSL", metadata={"help": "S = sliding window, L = full; last layer L"})
-    l3_after_layers: list[int] = field(default_factory=list, metadata={"help": "L3 after these layers (empty: "
-                                                                                "dense)"})
-    l3_n_emb: int | None = field(default=None, metadata={"help": "total L3 rows (default 4 x vocab)"})
-    l3_k_max: int = field(default=64, metadata={"help": "most L3 rows per token"})
-    l3_d_up: int | None = field(default=None, metadata={"help": "L3 up-projection width (default 4 x hidden)"})
-    l3_tie_kv: bool = field(default=True, metadata={"help": "one table for L3 keys and values"})
-    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"})
+    window_pattern: str | None = field(default=None, metadata={"help": "S = sliding window, L = full; last layer L"})
+    l3_after_layers: list[int] | None = field(default=None, metadata={"help": "L3 after these layers (none: dense)"})
+    l3_n_emb: int | None = field(default=None, metadata={"help": "total L3 rows"})
+    l3_k_max: int | None = field(default=None, metadata={"help": "most L3 rows per token"})
+    l3_d_up: int | None = field(default=None, metadata={"help": "L3 up-projection width"})
+    l3_tie_kv: bool | None = field(default=None, metadata={"help": "one table for L3 keys and values"})
+    attn_implementation: str | None = field(default=None, metadata={"help": "sdpa (default), eager or "
+                                                                    "flash_attention_2"})
+
+    def config(self, tokenizer, max_length: int) -> L3GPTConfig:
+        """The `L3GPTConfig` for `tokenizer` (vocabulary, special tokens) and rows of `max_length` tokens."""
+        given = {k: v for k, v in asdict(self).items() if v is not None and k != "depth"}
+        return L3GPTConfig.from_depth(self.depth, vocab_size=len(tokenizer), max_position_embeddings=max_length,
+                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id, **given)
 
 
 def make_parser() -> TrlParser:
-    return TrlParser((ScriptArguments, PretrainConfig, ModelArguments))
+    """`TrlParser` over the script, model and training arguments, in that order so that `--help` lists the recipe's
+    own options first (after `--config`); it returns them in that order too."""
+    return add_config_argument(TrlParser((ScriptArguments, ModelArguments, PretrainConfig)))
 
 
 def open_data(script_args: ScriptArguments, seed: int) -> tuple[DocumentSource, DocumentSource]:
@@ -133,7 +150,7 @@ def prepare_tokenizer(script_args: ScriptArguments, training_args: PretrainConfi
 
 @dataclass
 class PretrainData:
-    """The training stream and the validation rows (`(rows, max_seq_len)`, built once from the `validation`
+    """The training stream and the validation rows (`(rows, max_length)`, built once from the `validation`
     documents), with their packing report and document counts."""
 
     train: PackedStream
@@ -143,23 +160,23 @@ class PretrainData:
     eval_counts: dict
 
 
-def prepare_data(script_args: ScriptArguments, training_args: PretrainConfig, max_seq_len: int) -> PretrainData:
+def prepare_data(script_args: ScriptArguments, training_args: PretrainConfig, max_length: int) -> PretrainData:
     """The training stream (with its tokenizer) and the validation rows."""
     train_documents, eval_documents = open_data(script_args, training_args.seed)
     logger.info("corpus: %d shard(s), validation: %s", len(train_documents.corpus.shards),
                 script_args.eval_dataset or f"hash split, {script_args.val_fraction:.0%} of the documents")
     tokenizer = prepare_tokenizer(script_args, training_args, train_documents)
-    max_chars = max_seq_len if script_args.document_max_chars is None else script_args.document_max_chars
-    stream = PackedStream(train_documents, tokenizer, max_seq_len, max_chars, script_args.packing_buffer,
+    max_chars = max_length if script_args.document_max_chars is None else script_args.document_max_chars
+    stream = PackedStream(train_documents, tokenizer, max_length, max_chars, script_args.packing_buffer,
                           script_args.shuffle_buffer)
     eval_rows, eval_report, eval_counts = PackedStream(
-        eval_documents, tokenizer, max_seq_len, max_chars, script_args.packing_buffer, shuffle_buffer=0
+        eval_documents, tokenizer, max_length, max_chars, script_args.packing_buffer, shuffle_buffer=0
     ).materialize(script_args.max_eval_rows)
     logger.info("validation: %d rows from %d documents (cropped %.2f%%, %d duplicate documents dropped)",
                 len(eval_rows), eval_counts["documents"], 100 * eval_report.cropped_share, eval_counts["duplicates"])
     if not len(eval_rows):
-        raise ValueError(f"no full validation row of {max_seq_len} tokens ({eval_counts['documents']} documents); "
-                         "raise --val_fraction, pass --eval_dataset or lower --max_seq_len")
+        raise ValueError(f"no full validation row of {max_length} tokens ({eval_counts['documents']} documents); "
+                         "raise --val_fraction, pass --eval_dataset or lower --max_length")
     return PretrainData(stream, eval_documents, eval_rows, eval_report, eval_counts)
 
 
@@ -192,18 +209,9 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
     set_seed(training_args.seed)
     prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
     check_world_size(training_args)
-    data = prepare_data(script_args, training_args, model_args.max_seq_len)
+    data = prepare_data(script_args, training_args, training_args.max_length)
     tokenizer = data.train.tokenizer
-
-    config = L3GPTConfig.from_depth(
-        model_args.depth, vocab_size=len(tokenizer), aspect_ratio=model_args.aspect_ratio,
-        head_dim=model_args.head_dim, max_position_embeddings=model_args.max_seq_len,
-        window_pattern=model_args.window_pattern, num_key_value_heads=model_args.num_key_value_heads,
-        l3_after_layers=model_args.l3_after_layers, l3_n_emb=model_args.l3_n_emb, l3_k_max=model_args.l3_k_max,
-        l3_d_up=model_args.l3_d_up, l3_tie_kv=model_args.l3_tie_kv, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        attn_implementation=model_args.attn_implementation,
-    )
+    config = model_args.config(tokenizer, training_args.max_length)
     model = L3GPTForCausalLM(config)
     if config.l3_after_layers and not training_args.resume_from_checkpoint:  # resuming: the checkpoint's
         sample = data.train.sample_documents(script_args.l3_sample_tokens)
@@ -226,7 +234,7 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
         data_collator=PackedCollator(tokenizer.bos_token_id, training_args.attend_across_documents),
         processing_class=tokenizer, compute_metrics=bpb,
         preprocess_logits_for_metrics=BitsPerByte.preprocess_logits_for_metrics,
-        callbacks=[ThroughputCallback(flops_per_token(config, model_args.max_seq_len)),
+        callbacks=[ThroughputCallback(flops_per_token(config, training_args.max_length)),
                    LossPlotCallback(("loss", "eval_bpb"))],
     )
     if is_deepspeed_zero3_enabled():  # SampleCallback generates on rank 0 alone; ZeRO-3 needs every rank's shards
@@ -273,5 +281,6 @@ def reload_and_generate(output_dir: str, prompt: str) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    script_args, model_args, training_args = parse_recipe_args(make_parser())
     with exit_on_training_error():  # a NaN/inf loss: one error line, exit status 1
-        main(*parse_recipe_args(make_parser()))
+        main(script_args, training_args, model_args)

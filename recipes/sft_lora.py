@@ -1,97 +1,211 @@
 """LoRA SFT of a causal LM on chat JSONL, with the loss on assistant tokens only.
 
-The model can be any local folder or Hub id that `AutoModelForCausalLM` loads (Llama, Qwen2/3, Gemma2/3, ...), a
-GGUF file (`--gguf_file NAME` inside `--model_name_or_path FOLDER`, dequantized for training; needs
-`pip install 'hfl3[gguf]'`) or an L3GPT from `recipes/pretrain.py`.
-Data: `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}` per line; masks come from the model's
-own chat template (`hfl3.data.masks`); check them with
-`python -m hfl3.data.inspect --tokenizer MODEL --data FILE --n 3`.
+The model: a local folder or Hub id that `AutoModelForCausalLM` loads (Llama, Qwen2/3, Gemma2/3, ...), a GGUF file
+(`--gguf_file NAME` in the `--model_name_or_path` folder, dequantized; `pip install 'hfl3[gguf]'`) or an L3GPT from
+`recipes/pretrain.py`. The data: `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}` per line;
+masks come from the model's own chat template (check them: `python -m hfl3.data.inspect --tokenizer M --data F`).
 
-GSM8K on a small model (CPU):
 ```bash
+# the plainest run: no evaluation data, so no evaluation (one log line says so)
+accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sft_lora.py \
+    --model_name_or_path MODEL --train_file train.jsonl --output_dir outputs/sft
+# GSM8K on a small model (CPU), evaluated every epoch on a seeded 10% split
 accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sft_lora.py \
     --config recipes/configs/sft_gsm8k.yaml
-accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sft_lora.py \
-    --config recipes/configs/sft_gsm8k.yaml --model_name_or_path outputs/pretrain_demo --packing
-```
-
-The demo (stdlib-docstring chats on the pretrained demo L3GPT, then one answer from the adapter):
-```bash
+# the demo: stdlib-docstring chats on the pretrained demo L3GPT, then one answer from the adapter
 accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sft_lora.py \
     --config recipes/configs/sft_demo.yaml
 ```
 
-Any field can be overridden on the command line, e.g. `--lora_r 32 --lora_target_modules all-linear`,
-`--val_split 0.05` (instead of `--eval_file`), `--early_stopping_patience 2`, `--skip_invalid_records`, `--merge`,
-`--push_to_hub --hub_model_id USER/NAME`.
+Any field can be overridden on the command line (`--help` lists the recipe's own first), e.g. `--lora_r 32
+--lora_target_modules all-linear`, `--val_split 0.05` or `--eval_file F`, `--early_stopping_patience 2`,
+`--packing`, `--merge`, `--push_to_hub --hub_model_id USER/NAME`.
 
-Outputs in `--output_dir`: `adapter_model.safetensors` + `adapter_config.json` (`peft.PeftModel.from_pretrained`),
-the tokenizer, `metadata.json` (data sha256, counts, split, base model, LoRA, arguments, versions, git commit; the
-same in the safetensors header and in README.md), `all_results.json`, `loss.png`, checkpoints, and with `--merge`
-a full model in `merged/`.
+Outputs in `--output_dir`: the adapter (`peft.PeftModel.from_pretrained`), the tokenizer, `metadata.json` (data
+sha256, counts, split, base model, LoRA, arguments, versions, git commit; also in the safetensors header and
+README.md), `all_results.json`, `loss.png`, checkpoints, and with `--merge` a full model in `merged/`.
 
-Packing (`--packing`, TRL's best-fit `bfd`) keeps each conversation's labels and passes `position_ids` without an
-attention mask; without a KV cache (training) transformers then builds a block-diagonal mask from the position resets
-(sdpa, eager, flex) or passes the sequence boundaries to flash attention, so packed conversations do not attend to
-each other. A model
-that ignores `position_ids` (a custom attention that only applies a causal mask) would let them attend to each
-other: `tests/test_chat_masks.py` checks packed and separate logits agree for Qwen3 and L3GPT.
+Packing (`--packing`, TRL's best-fit `bfd`) passes `position_ids` without an attention mask; transformers then keeps
+packed conversations apart (block-diagonal mask, or sequence boundaries for flash attention) in any model that uses
+`position_ids`: `tests/test_chat_masks.py` checks packed and separate logits agree for Qwen3 and L3GPT.
 """
 
 import logging
 import math
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from trl import TrlParser
+import hfl3  # noqa: F401  (registers L3GPT; before transformers: keeps torchao's import-time warnings out)
+from transformers import AutoModelForCausalLM, AutoTokenizer, EarlyStoppingCallback, GgufConfig
+from trl import ModelConfig, TrlParser, get_peft_config
 
 from hfl3.callbacks import save_loss_plot
-from hfl3.provenance import write_json_atomic
-from hfl3.trainers.guards import exit_on_training_error
-from hfl3.trainers.launch import check_world_size, parse_recipe_args
-from hfl3.trainers.outputs import prepare_output_dir
-from hfl3.trainers.sft import (
-    SFTLoRAConfig,
-    SFTModelArguments,
-    SFTScriptArguments,
-    add_early_stopping,
-    answer_prompts,
-    build_sft_trainer,
-    save_merged_model,
-)
+from hfl3.data.chat import write_chat_jsonl
+from hfl3.data.sft import load_sft_data
+from hfl3.data.stdlib import stdlib_docstring_chats
+from hfl3.generation import answer_prompts
+from hfl3.provenance import build_metadata, config_sha256, write_json_atomic
+from hfl3.trainers.guards import check_vocabulary_fits, exit_on_training_error
+from hfl3.trainers.launch import add_config_argument, check_world_size, parse_recipe_args
+from hfl3.trainers.outputs import prepare_output_dir, work_dir
+from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig, save_merged_model
 
 logger = logging.getLogger("hfl3.recipes.sft_lora")
 
 
-def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_args: SFTModelArguments) -> dict:
-    """Train (evaluating at step 0 and after), save the adapter with provenance, optionally merge and push.
+@dataclass
+class SFTScriptArguments:
+    """Data (`train_file` or `stdlib_chats`; evaluation from `eval_file` or a seeded `val_split`, or none) and
+    outputs (`merge`: also a merged full model in `output_dir/merged`; `sample_prompts`: answered at the end)."""
 
-    Returns:
-        The results written to `all_results.json`.
+    _argument_group_name = "data and outputs (recipes/sft_lora.py)"
+
+    train_file: str | None = field(default=None, metadata={"help": "Chat JSONL: one {\"messages\": [...]} per line."})
+    stdlib_chats: int = field(
+        default=0, metadata={"help": "Instead of train_file: build this many chats from Python stdlib docstrings."}
+    )
+    eval_file: str | None = field(default=None, metadata={"help": "Chat JSONL for evaluation (instead of val_split)."})
+    val_split: float = field(
+        default=0.0, metadata={"help": "Fraction of the training conversations held out for evaluation (seeded)."}
+    )
+    skip_invalid_records: bool = field(
+        default=False, metadata={"help": "Skip and count invalid records instead of stopping at the first one."}
+    )
+    merge: bool = field(default=False, metadata={"help": "Also write the merged full model to output_dir/merged."})
+    sample_prompts: list[str] | None = field(
+        default=None, metadata={"help": "Questions answered greedily by the trained model at the end (samples.json)."}
+    )
+    max_new_tokens: int = field(default=96, metadata={"help": "Tokens generated per sample prompt."})
+
+
+@dataclass
+class SFTModelArguments(ModelConfig):
+    """`trl.ModelConfig` with `use_peft` on, `lora_target_modules` `["q_proj", "v_proj"]` (a single name stays a
+    module name, not a regex), and `gguf_file`, `tokenizer_name_or_path` added."""
+
+    _argument_group_name = "model and LoRA (trl.ModelConfig; gguf_file, tokenizer_name_or_path last)"
+
+    use_peft: bool = field(default=True, metadata={"help": "Train LoRA adapters (the only mode of this recipe)."})
+    lora_target_modules: list[str] | None = field(
+        default_factory=lambda: ["q_proj", "v_proj"], metadata={"help": "Module names to adapt, or 'all-linear'."}
+    )
+    gguf_file: str | None = field(
+        default=None, metadata={"help": "GGUF file inside model_name_or_path to load (dequantized to train it)."}
+    )
+    tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's."})
+
+    def __post_init__(self):
+        super().__post_init__()  # ModelConfig unpacks a one-element list, which PEFT would take as a regex
+        if isinstance(self.lora_target_modules, str) and self.lora_target_modules != "all-linear":
+            self.lora_target_modules = [self.lora_target_modules]
+
+
+def check_arguments(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_args: SFTModelArguments):
+    """Reject combinations that would train something else than asked; without evaluation data turn the default
+    evaluation off; resolve `eval_on_start`.
+
+    Raises:
+        ValueError: no model; no or two data sources; `use_peft=False`; evaluation, best-model loading or early
+            stopping asked for without evaluation data.
     """
+    if not model_args.model_name_or_path:
+        raise ValueError("--model_name_or_path is required (a folder, a Hub id, or the folder of --gguf_file)")
+    if bool(script_args.train_file) == bool(script_args.stdlib_chats):
+        raise ValueError("give exactly one of --train_file and --stdlib_chats")
+    if not model_args.use_peft:
+        raise ValueError("this recipe trains LoRA adapters; --use_peft false is not supported")
+    has_eval = bool(script_args.eval_file or script_args.val_split)
+    if not has_eval and training_args.evaluate_by_default and not training_args.early_stopping_patience:
+        logger.info("no --eval_file or --val_split: training without evaluation (no best-model selection)")
+        training_args.without_evaluation()
+    if training_args.eval_strategy != "no" and not has_eval:
+        raise ValueError(f"eval_strategy={training_args.eval_strategy.value} needs --eval_file or --val_split")
+    if training_args.early_stopping_patience and not (has_eval and training_args.load_best_model_at_end):
+        raise ValueError("--early_stopping_patience needs evaluation data and --load_best_model_at_end true")
+    if training_args.eval_on_start is None:
+        training_args.eval_on_start = has_eval and not training_args.resume_from_checkpoint
+
+
+def load_tokenizer(model_args: SFTModelArguments, training_args: SFTLoRAConfig):
+    """The tokenizer, with `chat_template_path` (a `.jinja` file) applied before masking and cleared so that TRL does
+    not apply it again (TRL's tokenizer-folder form would add tokens after the data were tokenized)."""
+    gguf = {"gguf_file": model_args.gguf_file} if model_args.gguf_file and not model_args.tokenizer_name_or_path else {}
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name_or_path or model_args.model_name_or_path,
+                                              trust_remote_code=training_args.trust_remote_code, **gguf)
+    if training_args.chat_template_path:
+        template = Path(training_args.chat_template_path)
+        if template.suffix not in (".jinja", ".j2") or not template.is_file():
+            raise ValueError(f"chat_template_path={template}: give a .jinja file (applied before tokenization)")
+        tokenizer.chat_template, training_args.chat_template_path = template.read_text(encoding="utf-8"), None
+    return tokenizer
+
+
+def build_trainer(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_args: SFTModelArguments):
+    """Tokenizer, masked data, base model, LoRA and trainer. Returns `(trainer, data, metadata)`; `metadata` is also
+    `trainer.provenance`, so every checkpoint carries it."""
+    check_arguments(script_args, training_args, model_args)
+    tokenizer = load_tokenizer(model_args, training_args)
+    train_file = script_args.train_file
+    if script_args.stdlib_chats:  # each node's first process writes the file, the others read it
+        train_file = work_dir(training_args.output_dir) / "stdlib_chats.jsonl"  # output_dir untouched until the end
+        with training_args.main_process_first(desc="stdlib chats"):
+            if training_args.local_process_index == 0:
+                write_chat_jsonl(stdlib_docstring_chats(script_args.stdlib_chats, seed=training_args.seed), train_file)
+    data = load_sft_data(tokenizer, train_file, eval_file=script_args.eval_file, val_split=script_args.val_split,
+                         seed=training_args.seed, max_length=training_args.max_length,
+                         skip_invalid_records=script_args.skip_invalid_records)
+    # A GGUF file is dequantized into dense weights and loses its quantizer, which the Trainer refuses to train
+    gguf = dict(gguf_file=model_args.gguf_file, quantization_config=GgufConfig(dequantize=True)) \
+        if model_args.gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path, dtype=model_args.dtype, attn_implementation=model_args.attn_implementation,
+        trust_remote_code=training_args.trust_remote_code, revision=model_args.model_revision, **gguf)
+    check_vocabulary_fits(tokenizer, model, [data.train, data.eval])  # not an IndexError in the first forward
+    trained_length = getattr(model.config, "max_position_embeddings", None)
+    if trained_length and training_args.max_length and training_args.max_length > trained_length:
+        logger.warning("max_length %d exceeds the base model's max_position_embeddings %d: positions beyond it were "
+                       "never trained; pass --max_length %d to stay inside", training_args.max_length,
+                       trained_length, trained_length)
+    peft_config = get_peft_config(model_args)
+    metadata = build_metadata(
+        data=data.provenance, lora=peft_config.to_dict(), script_args=script_args, model_args=model_args,
+        base_model={"name_or_path": model_args.model_name_or_path, "gguf_file": model_args.gguf_file,
+                    "model_type": model.config.model_type, "config_sha256": config_sha256(model.config),
+                    "num_parameters": model.num_parameters()},
+        training_args=training_args.to_dict(),
+    )
+    patience = training_args.early_stopping_patience  # the step-0 evaluation does not count (transformers' rule)
+    trainer = HFL3SFTTrainer(
+        model=model, args=training_args, train_dataset=data.train, eval_dataset=data.eval,
+        processing_class=tokenizer, peft_config=peft_config, provenance=metadata,
+        callbacks=[EarlyStoppingCallback(patience, training_args.early_stopping_threshold)] if patience else None,
+    )
+    return trainer, data, metadata
+
+
+def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_args: SFTModelArguments) -> dict:
+    """Train (evaluating at step 0 and after, when there is evaluation data), save the adapter with provenance,
+    optionally merge and push. Returns the results written to `all_results.json`."""
     prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
     check_world_size(training_args)
-    trainer, data, metadata = build_sft_trainer(script_args, training_args, model_args)
+    trainer, data, metadata = build_trainer(script_args, training_args, model_args)
     log = trainer.accelerator.print
     for name, stats in data.stats.items():
-        counts = {k: v for k, v in stats.as_dict().items() if k != "first_errors"}
-        log(f"[hfl3] {name}: {counts}")
+        log(f"[hfl3] {name}: { {k: v for k, v in stats.as_dict().items() if k != 'first_errors'} }")
     log(f"[hfl3] train rows {len(data.train)}, eval rows {len(data.eval) if data.eval is not None else 0}")
 
-    add_early_stopping(trainer)
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    results = eval_before(trainer.state.log_history)
-    results.update(train_result.metrics)
+    results = {**eval_before(trainer.state.log_history), **train_result.metrics}
     if data.eval is not None:
         results.update(trainer.evaluate())
-
     supervised_per_epoch = sum(sum(label != -100 for label in row[1:]) for row in data.train["labels"])
-    epochs = trainer.state.epoch or 0.0
-    results["train_supervised_tokens"] = int(supervised_per_epoch * epochs)
+    results["train_supervised_tokens"] = int(supervised_per_epoch * (trainer.state.epoch or 0.0))
     # Wall time of trainer.train, which includes the evaluations and checkpoint saves made during training
     results["train_supervised_tokens_per_second"] = results["train_supervised_tokens"] / results["train_runtime"]
     results["global_step"] = trainer.state.global_step
     results["best_model_checkpoint"] = trainer.state.best_model_checkpoint
     for key in ("eval_before_loss", "eval_loss", "eval_perplexity", "train_supervised_tokens_per_second"):
-        if key in results and isinstance(results[key], float) and math.isfinite(results[key]):
+        if isinstance(results.get(key), float) and math.isfinite(results[key]):
             log(f"[hfl3] {key} = {results[key]:.4f}")
 
     trainer.provenance = {**metadata, "results": results}
@@ -120,8 +234,7 @@ def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_ar
 
 
 def eval_before(log_history: list[dict]) -> dict:
-    """The step-0 evaluation (`eval_on_start`) renamed `eval_before_*`; empty when there was none (no evaluation
-    data, or a resumed run)."""
+    """The step-0 evaluation (`eval_on_start`) renamed `eval_before_*`; empty when there was none."""
     for entry in log_history:
         if entry.get("step") == 0 and "eval_loss" in entry:
             return {k.replace("eval_", "eval_before_", 1): v for k, v in entry.items() if k.startswith("eval_")}
@@ -129,14 +242,18 @@ def eval_before(log_history: list[dict]) -> dict:
 
 
 def make_parser(subparsers=None):
-    dataclass_types = (SFTScriptArguments, SFTLoRAConfig, SFTModelArguments)
+    """`TrlParser` over the script, model and training arguments, in that order so that `--help` lists the
+    recipe's own options first (after `--config`); it returns them in that order too."""
+    dataclass_types = (SFTScriptArguments, SFTModelArguments, SFTLoRAConfig)
     if subparsers is not None:
-        return subparsers.add_parser("sft_lora", help="LoRA SFT on chat JSONL", dataclass_types=dataclass_types)
-    return TrlParser(dataclass_types)
+        parser = subparsers.add_parser("sft_lora", help="LoRA SFT on chat JSONL", dataclass_types=dataclass_types)
+    else:
+        parser = TrlParser(dataclass_types)
+    return add_config_argument(parser)
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    script_args, training_args, model_args = parse_recipe_args(make_parser())
+    script_args, model_args, training_args = parse_recipe_args(make_parser())
     with exit_on_training_error():  # a NaN/inf loss: one error line, exit status 1
         main(script_args, training_args, model_args)

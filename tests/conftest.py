@@ -1,5 +1,6 @@
 """Shared fixtures: real assets from ../shared/assets (override with HFL3_ASSETS), offline Hub."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -26,6 +27,24 @@ def assets() -> Path:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+def load_recipe(name: str):
+    """The module `recipes/<name>.py` (its argument classes, `make_parser`, `main`, ...)."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "recipes" / f"{name}.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    return recipe
+
+
+@pytest.fixture(scope="session")
+def sft_recipe():
+    return load_recipe("sft_lora")
+
+
+@pytest.fixture(scope="session")
+def pretrain_recipe():
+    return load_recipe("pretrain")
 
 
 HIDE_HFL3 = """

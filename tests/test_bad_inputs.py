@@ -15,6 +15,8 @@ import datasets
 import numpy as np
 import pytest
 import torch
+from datasets import Dataset
+from peft import LoraConfig
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, TrainerCallback
 
@@ -27,9 +29,10 @@ from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.guards import NonFiniteTrainingError, check_vocabulary_fits
 from hfl3.trainers.launch import parse_recipe_args
 from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
-from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig, SFTModelArguments, lora_config
+from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig
 
 BOM = codecs.BOM_UTF8
+LORA = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 S, U, A = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
            {"role": "assistant", "content": "Hello!"})
 
@@ -111,6 +114,9 @@ def test_a_tokenizer_larger_than_the_embeddings_is_refused(qwen3):
                                          r"have no embedding\. Use the model's own tokenizer"):
         check_vocabulary_fits(qwen3, Qwen3ForCausalLM(config))
     check_vocabulary_fits(qwen3, Qwen3ForCausalLM(Qwen3Config(**{**config.to_dict(), "vocab_size": len(qwen3)})))
+    # with the data to be fed: only ids that occur (and the pad id: Qwen3's is 151643) must have a row
+    with pytest.raises(ValueError, match=r"the data hold token id 151643 .* has 1000 embedding rows"):
+        check_vocabulary_fits(qwen3, Qwen3ForCausalLM(config), [Dataset.from_dict({"input_ids": [[5, 999]]})])
 
 
 # ---- arguments ----------------------------------------------------------------------------------------------------
@@ -308,7 +314,7 @@ def test_sft_stops_at_the_first_non_finite_loss(tmp_path, tokenizer):
                          eval_strategy="no", load_best_model_at_end=False, save_strategy="no", logging_steps=2,
                          report_to="none", disable_tqdm=True)
     trainer = HFL3SFTTrainer(model=L3GPTForCausalLM(config), args=args, train_dataset=data.train,
-                             processing_class=tokenizer, peft_config=lora_config(SFTModelArguments(lora_r=4)))
+                             processing_class=tokenizer, peft_config=LORA)
     lora_b = lambda model: next(p for name, p in model.named_parameters() if "lora_B" in name)  # noqa: E731
     trainer.add_callback(Poison(3, lora_b))
     with pytest.raises(NonFiniteTrainingError, match="diverged at step 3: the loss and the gradient norm became NaN"):

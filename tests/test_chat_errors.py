@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from hfl3.data.chat import InvalidChatRecord, read_chat_jsonl
 from hfl3.data.sft import load_sft_data
-from hfl3.trainers.sft import SFTLoRAConfig, SFTModelArguments, SFTScriptArguments, build_sft_trainer
+from hfl3.trainers.sft import SFTLoRAConfig
 
 
 def line(messages) -> bytes:
@@ -141,11 +141,12 @@ def test_val_split_is_disjoint_seeded_and_exclusive_with_eval_file(tmp_path, qwe
         load_sft_data(qwen3, data, val_split=0.25, eval_file=data)
 
 
-def test_recipe_stops_before_loading_the_model(tmp_path, assets):
+def test_recipe_stops_before_loading_the_model(tmp_path, assets, sft_recipe):
     data = write(tmp_path / "data.jsonl", [GOOD[0], CASES["unknown role"][1]])
-    script = SFTScriptArguments(train_file=str(data), val_split=0.5)
-    model = SFTModelArguments(model_name_or_path=str(assets / "tokenizers" / "qwen3"))  # has no weights
+    script = sft_recipe.SFTScriptArguments(train_file=str(data), val_split=0.5)
+    model = sft_recipe.SFTModelArguments(model_name_or_path=str(assets / "tokenizers" / "qwen3"))  # has no weights
     with pytest.raises(InvalidChatRecord, match=rf"^{data}:2: message 1 has role 'bot'"):
-        build_sft_trainer(script, SFTLoRAConfig(output_dir=str(tmp_path / "out")), model)
+        sft_recipe.build_trainer(script, SFTLoRAConfig(output_dir=str(tmp_path / "out")), model)
+    asked_to_evaluate = SFTLoRAConfig(output_dir=str(tmp_path), eval_strategy="steps")
     with pytest.raises(ValueError, match="needs --eval_file or --val_split"):
-        build_sft_trainer(SFTScriptArguments(train_file=str(data)), SFTLoRAConfig(output_dir=str(tmp_path)), model)
+        sft_recipe.build_trainer(sft_recipe.SFTScriptArguments(train_file=str(data)), asked_to_evaluate, model)

@@ -226,13 +226,15 @@ def test_resume_reports_the_whole_run_and_refuses_another_model(tmp_path, stream
 
 
 def test_sft_saves_no_token_and_resume_refuses_other_data(tmp_path, stream):
+    from peft import LoraConfig
     from test_sft_recipe import chats, tiny_l3gpt
 
     from hfl3.data.chat import write_chat_jsonl
     from hfl3.data.sft import load_sft_data
     from hfl3.provenance import build_metadata
-    from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig, SFTModelArguments, lora_config
+    from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig
 
+    lora = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     tokenizer, secret = stream.tokenizer, "hf_" + "Z9y8" * 9
 
     def trainer_on(answer_word, seed):
@@ -242,7 +244,7 @@ def test_sft_saves_no_token_and_resume_refuses_other_data(tmp_path, stream):
                              eval_strategy="no", load_best_model_at_end=False, save_strategy="steps", save_steps=2,
                              max_length=64, hub_token=secret, report_to="none", disable_tqdm=True, seed=0)
         return HFL3SFTTrainer(model=tiny_l3gpt(tokenizer), args=args, train_dataset=data.train,
-                              processing_class=tokenizer, peft_config=lora_config(SFTModelArguments(lora_r=4)),
+                              processing_class=tokenizer, peft_config=lora,
                               provenance=build_metadata(data=data.provenance, training_args=args.to_dict()))
 
     trainer_on("good", 0).train()

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 from hfl3.data import inspect as inspect_cli
 from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.sft import SFTLoRAConfig, SFTModelArguments, SFTScriptArguments, build_sft_trainer
+from hfl3.trainers.sft import SFTLoRAConfig
 
 GGUF_NAME = "tiny-qwen3-Q8_0.gguf"
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -89,7 +89,7 @@ def gguf_model(tmp_path_factory, assets):
     return work / "model", model, expected, tokenizer, write_chat_jsonl(chats, work / "chats.jsonl")
 
 
-def test_gguf_loads_dense_equal_to_the_file_and_trains_lora(gguf_model, tmp_path):
+def test_gguf_loads_dense_equal_to_the_file_and_trains_lora(gguf_model, tmp_path, sft_recipe):
     folder, original, expected, _, chats = gguf_model
     # What the loader must undo: transformers keeps its GGUF quantizer on the model, and the Trainer refuses that
     assert AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME).is_quantized
@@ -97,10 +97,11 @@ def test_gguf_loads_dense_equal_to_the_file_and_trains_lora(gguf_model, tmp_path
         output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, max_length=64, learning_rate=1e-2,
         eval_strategy="no", load_best_model_at_end=False, save_strategy="no", report_to="none", disable_tqdm=True,
     )
-    model_args = SFTModelArguments(
+    model_args = sft_recipe.SFTModelArguments(
         model_name_or_path=str(folder), gguf_file=GGUF_NAME, lora_r=4, lora_alpha=8, lora_dropout=0.0
     )
-    trainer, _, metadata = build_sft_trainer(SFTScriptArguments(train_file=str(chats)), args, model_args)
+    trainer, _, metadata = sft_recipe.build_trainer(sft_recipe.SFTScriptArguments(train_file=str(chats)), args,
+                                                       model_args)
     base = trainer.model.get_base_model()
     assert not base.is_quantized and getattr(base, "hf_quantizer", None) is None
     assert getattr(base.config, "quantization_config", None) is None

@@ -402,3 +402,44 @@ def test_torch_compile_does_not_recompile_for_new_pair_counts():
         for name, p in model.named_parameters():
             torch.testing.assert_close(compiled_grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_output_hidden_states_and_attentions_come_back():
+    """`_can_record_outputs`: hidden states per decoder layer (num_hidden_layers + 1, the last the final-normed
+    `last_hidden_state`, the first the first layer's input), eager attention weights per layer; nothing by default."""
+    config = tiny_config(attn_implementation="eager")
+    model = skewed_model(config).eval()
+    input_ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(input_ids)
+        out = model(input_ids, output_hidden_states=True, output_attentions=True)
+        base = model.model(input_ids)
+        inputs = {}
+        hook = model.model.layers[0].register_forward_hook(lambda m, args, o: inputs.setdefault("first", args[0]))
+        model(input_ids)
+        hook.remove()
+    assert plain.hidden_states is None and plain.attentions is None
+    assert len(out.hidden_states) == config.num_hidden_layers + 1
+    assert all(h.shape == (2, 10, config.hidden_size) for h in out.hidden_states)
+    torch.testing.assert_close(out.hidden_states[-1], base.last_hidden_state, rtol=0, atol=0)
+    torch.testing.assert_close(out.hidden_states[0], inputs["first"], rtol=0, atol=0)
+    assert not torch.equal(out.hidden_states[0], out.hidden_states[1])
+    assert len(out.attentions) == config.num_hidden_layers
+    assert out.attentions[0].shape == (2, config.num_attention_heads, 10, 10)
+    torch.testing.assert_close(out.logits, plain.logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_come_back_in_the_model_dtype_and_the_loss_from_float32(dtype):
+    model = skewed_model(tiny_config()).to(dtype).eval()
+    input_ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model(input_ids, labels=input_ids)
+        hidden = model.model(input_ids).last_hidden_state
+    cap = model.config.final_logit_softcapping
+    reference = cap * torch.tanh(model.lm_head(hidden).float() / cap)  # the float32 softcap of nanochat
+    vocab = reference.shape[-1]  # padded to a multiple of 64
+    expected_loss = torch.nn.functional.cross_entropy(reference[:, :-1].reshape(-1, vocab), input_ids[:, 1:].flatten())
+    assert out.logits.dtype == dtype
+    torch.testing.assert_close(out.logits, reference.to(dtype), rtol=0, atol=0)
+    torch.testing.assert_close(out.loss, expected_loss, rtol=1e-6, atol=1e-6)

@@ -100,3 +100,11 @@ def test_recipe_start_with_a_bad_flag_prints_only_the_message(repo_root, name):
         f"usage: {name}.py [--config FILE] [options] (--help lists them)",
         f"{name}.py: error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag']",
     ]
+
+
+@pytest.mark.parametrize("name, own_option", [("pretrain", "--dataset"), ("sft_lora", "--train_file")])
+def test_help_starts_with_config_and_the_recipes_own_options(repo_root, name, own_option):
+    help_lines = load_recipe(repo_root, name).make_parser().format_help().splitlines()
+    first = "\n".join(help_lines[:40])
+    assert "--config FILE" in first and own_option in first, first
+    assert sum(line.lstrip().startswith("--config") for line in help_lines) == 1

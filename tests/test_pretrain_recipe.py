@@ -108,7 +108,7 @@ class RowRecorder(L3GPTTrainer):
         return batches, num_items_in_batch
 
 
-def train_tiny(output_dir, stream, max_steps, resume_from=None, save_steps=None, optimizer="adamw", workers=0):
+def train_tiny(output_dir, stream, max_steps, resume_from=None, save_steps=None, optimizer="adamw_torch", workers=0):
     tokenizer = stream.tokenizer
     torch.manual_seed(0)
     config = L3GPTConfig.from_depth(2, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
@@ -116,7 +116,7 @@ def train_tiny(output_dir, stream, max_steps, resume_from=None, save_steps=None,
                                     l3_n_emb=4 * 512, l3_k_max=32, l3_d_up=64)
     args = PretrainConfig(
         output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=5e-3,
-        warmup_steps=2, logging_steps=1, eval_strategy="no", seed=0, optimizer=optimizer, disable_tqdm=True,
+        warmup_steps=2, logging_steps=1, eval_strategy="no", seed=0, optim=optimizer, disable_tqdm=True,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, dataloader_num_workers=workers,
         report_to="none",
     )
@@ -154,3 +154,29 @@ def test_adamw_decays_only_matrices(tmp_path, stream):
     assert groups[1]["weight_decay"] == 0.0
     assert sum(len(g["params"]) for g in groups) == len(list(trainer.model.parameters()))
     assert hfl3.__version__
+
+
+def test_optim_selects_the_optimizer_and_muon_takes_the_group_lrs(tmp_path, stream, pretrain_recipe):
+    """`--optim muon` (the Trainer's own flag) builds MuonAdamW with the `*_lr` fields; any other `--optim` the
+    Trainer's optimizer, decaying only matrices."""
+    from hfl3.optim import MuonAdamW
+    from hfl3.trainers.launch import parse_recipe_args
+
+    _, _, args = parse_recipe_args(pretrain_recipe.make_parser(), [
+        "--output_dir", str(tmp_path), "--eval_strategy", "no", "--optim", "muon", "--matrix_lr", "0.05",
+        "--embedding_lr", "0.1", "--l3_table_lr", "0.2"])
+    assert args.optim == "muon" and args.to_dict()["optim"] == "muon"
+    tokenizer = stream.tokenizer
+    model = L3GPTForCausalLM(L3GPTConfig.from_depth(2, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
+                                                    max_position_embeddings=64, l3_after_layers=[0], l3_k_max=8))
+    optimizer = L3GPTTrainer(model=model, args=args).create_optimizer()
+    scale = (model.config.hidden_size / 768) ** -0.5
+    lrs = {group["name"]: group["lr"] for group in optimizer.param_groups}
+    assert isinstance(optimizer, MuonAdamW)
+    assert lrs["matrix"] == 0.05 and lrs["embedding"] == pytest.approx(0.1 * scale)
+    assert lrs["l3_table"] == pytest.approx(0.2 * scale) and lrs["unembedding"] == pytest.approx(0.004 * scale)
+    sgd = PretrainConfig(output_dir=str(tmp_path), eval_strategy="no", optim="sgd", weight_decay=0.1)
+    optimizer = L3GPTTrainer(model=model, args=sgd).create_optimizer()
+    assert type(optimizer) is torch.optim.SGD
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    assert all(p.ndim >= 2 for p in optimizer.param_groups[0]["params"])

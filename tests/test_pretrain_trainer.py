@@ -72,7 +72,7 @@ def train(rows, tmp_path, l3_after_layers, optimizer, max_steps=7, logging_steps
     torch.manual_seed(0)
     model = L3GPTForCausalLM(config)
     args = PretrainConfig(output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=BATCH,
-                          logging_steps=logging_steps, eval_strategy="no", report_to="none", optimizer=optimizer,
+                          logging_steps=logging_steps, eval_strategy="no", report_to="none", optim=optimizer,
                           warmup_steps=1, disable_tqdm=True, dataloader_num_workers=0,
                           attend_across_documents=attend_across_documents)
     recorder, trainer_ref = SyncRecorder(), []
@@ -95,12 +95,12 @@ def train(rows, tmp_path, l3_after_layers, optimizer, max_steps=7, logging_steps
 
 @pytest.mark.parametrize(
     "l3_after_layers, optimizer, attend_across_documents, syncs_per_step",
-    [([], "adamw", True, 0), ([], "muon", True, 0),
+    [([], "adamw_torch", True, 0), ([], "muon", True, 0),
      # L3's routing reads its pair count once per forward (`l3_routing`, by design)
      ([0], "muon", True, 1),
      # block-causal rows: transformers' mask helpers check once per mask type (full, sliding) whether position_ids
      # mark packed documents (`find_packed_sequence_indices`; skipped under torch.compile)
-     ([], "adamw", False, 2)],
+     ([], "adamw_torch", False, 2)],
     ids=["dense-adamw", "dense-muon", "l3-muon", "packed-documents"],
 )
 def test_no_device_sync_between_logs(rows, tmp_path, l3_after_layers, optimizer, attend_across_documents,
@@ -113,7 +113,7 @@ def test_no_device_sync_between_logs(rows, tmp_path, l3_after_layers, optimizer,
 
 
 def test_token_count_and_throughput_are_exact_without_per_step_sync(rows, tmp_path):
-    trainer, _ = train(rows, tmp_path, [], "adamw", max_steps=7, logging_steps=3)
+    trainer, _ = train(rows, tmp_path, [], "adamw_torch", max_steps=7, logging_steps=3)
     assert trainer.state.num_input_tokens_seen == 7 * BATCH * SEQ_LEN
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["num_input_tokens_seen"] for entry in logged] == [3 * BATCH * SEQ_LEN, 6 * BATCH * SEQ_LEN]

@@ -1,7 +1,6 @@
 """recipes/sft_lora.py end to end (accelerate launch in a subprocess) and HFL3SFTTrainer's loss and eval metrics."""
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from peft import PeftModel
+from peft import LoraConfig, PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import (
@@ -23,6 +22,7 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from trl import get_peft_config
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
@@ -30,14 +30,8 @@ from hfl3.data.sft import load_sft_data
 from hfl3.models.l3gpt.linear_cross_entropy import CHUNK_BYTES
 from hfl3.provenance import sha256_file, sha256_records
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.sft import (
-    HFL3SFTTrainer,
-    SFTLoRAConfig,
-    SFTModelArguments,
-    SFTScriptArguments,
-    build_sft_trainer,
-    lora_config,
-)
+from hfl3.trainers.launch import parse_recipe_args
+from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig
 
 WORDS = "the king and queen of love shall die good night sweet prince my lord what is this".split()
 
@@ -233,14 +227,18 @@ def tokenizers(assets, l3gpt_folder):
             "l3gpt": AutoTokenizer.from_pretrained(l3gpt_folder)}
 
 
+def lora(r: int = 4, alpha: int = 8) -> LoraConfig:
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                      task_type="CAUSAL_LM")
+
+
 def make_trainer(tmp_path, tokenizer, build, packing=False):
     data_file = write_chat_jsonl(chats("good", 6, seed=0) + chats("night", 6, seed=2), tmp_path / "d.jsonl")
     data = load_sft_data(tokenizer, data_file, val_split=0.5, seed=0, max_length=64)
     args = SFTLoRAConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, per_device_eval_batch_size=2,
                          max_length=64, packing=packing, report_to="none", disable_tqdm=True, seed=0)
-    model_args = SFTModelArguments(lora_r=4, lora_alpha=8, lora_dropout=0.0)
     return HFL3SFTTrainer(model=build(tokenizer), args=args, train_dataset=data.train, eval_dataset=data.eval,
-                          processing_class=tokenizer, peft_config=lora_config(model_args)), data
+                          processing_class=tokenizer, peft_config=lora()), data
 
 
 @pytest.mark.parametrize("name, build", [("qwen3", tiny_qwen3), ("gemma3", tiny_gemma3), ("l3gpt", tiny_l3gpt)])
@@ -306,7 +304,7 @@ def test_training_metrics_survive_a_last_partial_batch(tmp_path, tokenizers, pac
                          eval_strategy="no", load_best_model_at_end=False, save_strategy="no", max_length=64,
                          packing=packing, logging_steps=1, report_to="none", disable_tqdm=True, seed=0)
     trainer = HFL3SFTTrainer(model=tiny_l3gpt(tokenizer), args=args, train_dataset=data.train,
-                             processing_class=tokenizer, peft_config=lora_config(SFTModelArguments(lora_r=4)))
+                             processing_class=tokenizer, peft_config=lora(alpha=16))
     rows = trainer.train_dataset
     assert len(rows) % 3 == 1
     trainer.train()
@@ -316,12 +314,14 @@ def test_training_metrics_survive_a_last_partial_batch(tmp_path, tokenizers, pac
 
 
 @pytest.mark.parametrize("max_length, warned", [(128, False), (256, True)])
-def test_max_length_beyond_the_trained_positions_is_warned(tmp_path, l3gpt_folder, caplog, max_length, warned):
+def test_max_length_beyond_the_trained_positions_is_warned(tmp_path, l3gpt_folder, caplog, sft_recipe, max_length,
+                                                            warned):
     data_file = write_chat_jsonl(chats("good", 8, seed=0), tmp_path / "d.jsonl")
     args = SFTLoRAConfig(output_dir=str(tmp_path / "out"), max_length=max_length, report_to="none")
-    with caplog.at_level("WARNING", logger="hfl3.trainers.sft"):
-        trainer, _, _ = build_sft_trainer(SFTScriptArguments(train_file=str(data_file), val_split=0.25), args,
-                                          SFTModelArguments(model_name_or_path=str(l3gpt_folder), lora_r=4))
+    with caplog.at_level("WARNING", logger="hfl3.recipes.sft_lora"):
+        trainer, _, _ = sft_recipe.build_trainer(
+            sft_recipe.SFTScriptArguments(train_file=str(data_file), val_split=0.25), args,
+            sft_recipe.SFTModelArguments(model_name_or_path=str(l3gpt_folder), lora_r=4))
     assert trainer.model.config.max_position_embeddings == 128
     assert ("exceeds the base model's max_position_embeddings 128" in caplog.text) == warned
 
@@ -334,21 +334,60 @@ def test_datasets_without_labels_are_refused(tmp_path, tokenizers):
                        processing_class=tokenizers["l3gpt"])
 
 
-def test_cpu_defaults_differ_from_trl_where_documented(tmp_path):
+def test_cpu_defaults_differ_from_trl_where_documented(tmp_path, sft_recipe):
     args = SFTLoRAConfig(output_dir=str(tmp_path))
     assert (args.bf16, args.activation_checkpointing, args.gradient_checkpointing) == (False, False, False)
     assert args.load_best_model_at_end and args.metric_for_best_model == "eval_loss" and args.learning_rate == 2e-4
-    assert SFTModelArguments().lora_target_modules == ["q_proj", "v_proj"]
-    assert lora_config(SFTModelArguments(lora_target_modules=["o_proj"])).target_modules == {"o_proj"}
-    assert lora_config(SFTModelArguments(lora_target_modules=["all-linear"])).target_modules == "all-linear"
+    model_args = sft_recipe.SFTModelArguments
+    assert model_args().lora_target_modules == ["q_proj", "v_proj"]
+    assert get_peft_config(model_args(lora_target_modules=["o_proj"])).target_modules == {"o_proj"}
+    assert get_peft_config(model_args(lora_target_modules=["all-linear"])).target_modules == "all-linear"
 
 
-def test_push_to_hub_needs_a_repository_id(repo_root, tmp_path):
-    spec = importlib.util.spec_from_file_location("sft_lora", repo_root / "recipes" / "sft_lora.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    script, args, model = recipe.make_parser().parse_args_and_config(
+def test_push_to_hub_needs_a_repository_id(sft_recipe, tmp_path):
+    recipe = sft_recipe
+    script, model, args = recipe.make_parser().parse_args_and_config(
         ["--output_dir", str(tmp_path), "--push_to_hub", "--train_file", "x.jsonl", "--model_name_or_path", "m"]
     )
     with pytest.raises(ValueError, match="--push_to_hub needs --hub_model_id"):
         recipe.main(script, args, model)
+
+
+def run_recipe(recipe, caplog, *arguments: str) -> tuple[dict, object]:
+    """`recipes/sft_lora.py ARGUMENTS` in this process (as its `__main__` does); returns the results and the args."""
+    script, model, args = parse_recipe_args(recipe.make_parser(), [*arguments, "--disable_tqdm", "true"])
+    with caplog.at_level("INFO", logger="hfl3.recipes.sft_lora"):
+        return recipe.main(script, args, model), args
+
+
+def test_the_plainest_command_trains_without_evaluation(tmp_path, l3gpt_folder, sft_recipe, caplog):
+    train = write_chat_jsonl(chats("good", 8, seed=0), tmp_path / "train.jsonl")
+    results, args = run_recipe(sft_recipe, caplog, "--model_name_or_path", str(l3gpt_folder), "--train_file",
+                               str(train), "--output_dir", str(tmp_path / "out"), "--num_train_epochs", "1")
+    assert "no --eval_file or --val_split: training without evaluation" in caplog.text
+    assert (args.eval_strategy, args.load_best_model_at_end, args.eval_on_start) == ("no", False, False)
+    assert results["global_step"] == 1 and results["train_loss"] > 0 and "eval_loss" not in results
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+
+def test_eval_strategy_steps_alone_saves_at_every_evaluation_and_keeps_the_best(tmp_path, l3gpt_folder, sft_recipe,
+                                                                                caplog):
+    train = write_chat_jsonl(chats("good", 12, seed=0), tmp_path / "train.jsonl")
+    results, args = run_recipe(sft_recipe, caplog, "--model_name_or_path", str(l3gpt_folder), "--train_file",
+                               str(train), "--val_split", "0.25", "--output_dir", str(tmp_path / "out"),
+                               "--eval_strategy", "steps", "--eval_steps", "2", "--max_steps", "4",
+                               "--per_device_train_batch_size", "3", "--learning_rate", "1e-2")
+    assert (args.save_strategy, args.save_steps, args.load_best_model_at_end) == ("steps", 2, True)
+    evaluated = [e["step"] for e in json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
+                 if "eval_loss" in e]
+    assert evaluated[:3] == [0, 2, 4]
+    assert results["best_model_checkpoint"].endswith(("checkpoint-2", "checkpoint-4"))
+
+
+def test_evaluation_asked_for_without_evaluation_data_is_refused(tmp_path, sft_recipe):
+    for flags in (["--eval_strategy", "epoch"], ["--load_best_model_at_end", "true"],
+                  ["--early_stopping_patience", "2"]):
+        script, model, args = sft_recipe.make_parser().parse_args_and_config(
+            ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--output_dir", str(tmp_path), *flags])
+        with pytest.raises(ValueError, match="needs"):
+            sft_recipe.check_arguments(script, args, model)

@@ -420,3 +420,8 @@ class ProvenanceMixin:
             return super().create_model_card(*args, **kwargs)
         # The card travels with the saved weights (`_save`); a card alone in output_dir would describe nothing yet
         return None
+def config_sha256(config) -> str:
+    """SHA-256 of a model config's canonical JSON, without the fields that name where or with what it was saved
+    (`_name_or_path`, `transformers_version`)."""
+    values = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    return sha256_records([values])

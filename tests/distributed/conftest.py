@@ -131,8 +131,8 @@ def resumed_from(uninterrupted_dir: Path) -> tuple[str, ...]:
 
 def muon_and_resumed(out: Path, *extra: str) -> list[dict]:
     """Pretrain Muon with a checkpoint at step 10, and its resumption from that checkpoint."""
-    return [pretrain_run("pretrain_muon", out / "pretrain_muon", 4, *extra, "--optimizer", "muon", *CHECKPOINTED),
-            pretrain_run("pretrain_muon_resumed", out / "pretrain_muon_resumed", 4, *extra, "--optimizer", "muon",
+    return [pretrain_run("pretrain_muon", out / "pretrain_muon", 4, *extra, "--optim", "muon", *CHECKPOINTED),
+            pretrain_run("pretrain_muon_resumed", out / "pretrain_muon_resumed", 4, *extra, "--optim", "muon",
                          *resumed_from(out / "pretrain_muon"))]
 
 
@@ -158,8 +158,8 @@ def reference(distributed_dir, sft_chats) -> Launch:
     out = distributed_dir / "single"
     return launch(None, [
         pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, *TWO_STREAMS_ONE_PROCESS),
-        pretrain_run("pretrain_muon", out / "pretrain_muon", 4, *TWO_STREAMS_ONE_PROCESS, "--optimizer", "muon"),
-        pretrain_run("pretrain_muon_half_batch", out / "pretrain_muon_half_batch", 4, "--optimizer", "muon"),
+        pretrain_run("pretrain_muon", out / "pretrain_muon", 4, *TWO_STREAMS_ONE_PROCESS, "--optim", "muon"),
+        pretrain_run("pretrain_muon_half_batch", out / "pretrain_muon_half_batch", 4, "--optim", "muon"),
         sft_run("sft_lora", out / "pretrain_adamw", sft_chats, out / "sft_lora", 4),
     ], out, env={"OMP_NUM_THREADS": "1"})  # as torchrun sets for each rank; 2 threads on a busy 2-core box crawl
 
@@ -181,7 +181,7 @@ def ddp(distributed_dir, sft_base, sft_chats) -> Launch:
                      record_rows=True),
         pretrain_run("pretrain_adamw_resumed", out / "pretrain_adamw_resumed", 4, "--use_cpu", *worker,
                      *resumed_from(out / "pretrain_adamw"), record_rows=True),
-        pretrain_run("pretrain_muon", out / "pretrain_muon", 4, "--use_cpu", "--optimizer", "muon"),
+        pretrain_run("pretrain_muon", out / "pretrain_muon", 4, "--use_cpu", "--optim", "muon"),
         sft_run("sft_lora", sft_base, sft_chats, out / "sft_lora", 2, "--use_cpu", continue_on_error=True),
     ], out)
 
@@ -235,5 +235,5 @@ def fsdp2_gpu(distributed_dir) -> Launch:
     per_device = 8 // gpus if 8 % gpus == 0 else 8
     return launch("fsdp2.yaml", [
         pretrain_run("pretrain_adamw", out / "pretrain_adamw", per_device),
-        pretrain_run("pretrain_muon", out / "pretrain_muon", per_device, "--optimizer", "muon"),
+        pretrain_run("pretrain_muon", out / "pretrain_muon", per_device, "--optim", "muon"),
     ], out, launch_args=("--num_processes", str(gpus)))

@@ -65,7 +65,7 @@ def run(plan_path: str) -> None:
         recipe = load_recipe(entry["recipe"])
         record = {"name": entry["name"], "rank": rank, "args": entry["args"], "error": None, "metrics": None}
         try:
-            script_args, training_args, model_args = recipe.make_parser().parse_args_and_config(entry["args"])
+            script_args, model_args, training_args = recipe.make_parser().parse_args_and_config(entry["args"])
             record["world_size"] = training_args.world_size
             record["torch_world_size"] = dist.get_world_size() if dist.is_initialized() else 1
             rows = results_dir / f"{entry['name']}.rank{rank}.rows.jsonl"

@@ -1,5 +1,6 @@
 """Small corpora in memory, for experiments that need the whole packed set at once (benchmarks/): every document in
-a `datasets.Dataset`, a seeded split by document, pieces, tokenization with `datasets.map` and best-fit packing.
+a `datasets.Dataset`, pieces, tokenization with `datasets.map` and best-fit packing (split by document with
+`hfl3.data.sft.split_indices`, the split of the SFT recipe).
 
 The recipe streams instead (`hfl3.data.streaming`); both use the same readers (`hfl3.data.sources`), the same cutting
 into pieces and the same packer (`hfl3.data.packing`).
@@ -28,22 +29,6 @@ def load_corpus(source: str, text_column: str = "text", split: str = "train",
             texts += batch
             names += [shard.name] * len(batch)
     return datasets.Dataset.from_dict({"text": texts, "source": names}), corpus
-
-
-def split_documents(dataset: datasets.Dataset, val_fraction: float,
-                    seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Seeded, disjoint split at the document level (a file or a dataset row): at least one document on each side.
-
-    Raises:
-        ValueError: if there are fewer than 2 documents or `val_fraction` is not in (0, 1).
-    """
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction={val_fraction} must be in (0, 1)")
-    if len(dataset) < 2:
-        raise ValueError(f"need >= 2 documents to split off validation, got {len(dataset)}; add files")
-    n_val = min(len(dataset) - 1, max(1, round(val_fraction * len(dataset))))
-    order = np.random.default_rng(seed).permutation(len(dataset))
-    return dataset.select(np.sort(order[n_val:])), dataset.select(np.sort(order[:n_val]))
 
 
 def chunk_documents(dataset: datasets.Dataset, max_chars: int) -> datasets.Dataset:

@@ -14,6 +14,7 @@ newest one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -21,6 +22,8 @@ from collections.abc import Iterator
 
 import torch
 from transformers.trainer_utils import get_last_checkpoint
+
+logger = logging.getLogger(__name__)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -53,22 +56,37 @@ def check_training_arguments(args) -> None:
                          "positive --num_train_epochs or --max_steps")
 
 
-def check_vocabulary_fits(tokenizer, model) -> None:
-    """Refuse a tokenizer that can produce token ids the model has no embedding row for (the forward would fail
-    with an IndexError, or on a GPU a device-side assert, deep in the first step).
+def check_vocabulary_fits(tokenizer, model, datasets=()) -> None:
+    """Refuse token ids the model has no embedding row for (the forward would fail with an IndexError, or on a GPU a
+    device-side assert, deep in the first step).
+
+    Without `datasets`, every id of the tokenizer (`len(tokenizer)`, added tokens included) must have a row. With
+    `datasets` (tokenized `datasets.Dataset`s with `input_ids`; None entries are skipped), the ids that will be fed
+    must: the largest id in them and the pad id. A tokenizer larger than the embeddings whose extra ids never occur
+    (a GGUF file's tokenizer can carry one more added token than the model has rows) then only warns.
 
     Raises:
-        ValueError: `len(tokenizer)` (its vocabulary with the added tokens) exceeds the rows of the model's input
+        ValueError: an id that will be (or, without `datasets`, may be) fed is >= the rows of the model's input
             embeddings.
     """
-    rows = model.get_input_embeddings().weight.shape[0]
-    if len(tokenizer) > rows:
-        raise ValueError(
-            f"the tokenizer has {len(tokenizer)} tokens (with added ones) but the model "
-            f"{model.config.name_or_path or type(model).__name__} has {rows} embedding rows: token ids >= {rows} "
-            "have no embedding. Use the model's own tokenizer (drop --tokenizer_name_or_path), or resize the "
-            "model's embeddings (model.resize_token_embeddings(len(tokenizer))) and save it first"
-        )
+    weight = model.get_input_embeddings().weight
+    rows = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 (zero.Init) leaves an empty partition here
+    if len(tokenizer) <= rows:
+        return
+    fix = ("Use the model's own tokenizer (drop --tokenizer_name_or_path), or resize the model's embeddings "
+           "(model.resize_token_embeddings(len(tokenizer))) and save it first")
+    name = model.config.name_or_path or type(model).__name__
+    datasets = [dataset for dataset in datasets if dataset is not None]
+    if not datasets:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens (with added ones) but the model {name} has {rows} "
+                         f"embedding rows: token ids >= {rows} have no embedding. {fix}")
+    used = max(max((max(ids, default=-1) for ids in dataset["input_ids"]), default=-1) for dataset in datasets)
+    used = max(used, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else -1)
+    if used >= rows:
+        raise ValueError(f"the data hold token id {used} (tokenizer: {len(tokenizer)} tokens with added ones) but the "
+                         f"model {name} has {rows} embedding rows: token ids >= {rows} have no embedding. {fix}")
+    logger.warning("the tokenizer has %d tokens but the model %s has %d embedding rows; the data and the pad id "
+                   "stay below %d, so training runs", len(tokenizer), name, rows, rows)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

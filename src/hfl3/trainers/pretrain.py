@@ -20,25 +20,43 @@ from hfl3.trainers.outputs import L3GPTOutputs, resolve_checkpoint
 logger = logging.getLogger(__name__)
 
 
+MUON = "muon"
+"""`PretrainConfig.optim` value that selects `hfl3.optim.MuonAdamW` (not one of transformers' `OptimizerNames`)."""
+
+
 @dataclass
 class PretrainConfig(TrainingArguments):
     """`TrainingArguments` for pretraining, with nanochat's choices.
 
-    Added fields: `optimizer` ("muon" or "adamw"; "muon" = `hfl3.optim.MuonAdamW`), `warmdown_ratio`,
-    `final_lr_frac`, `attend_across_documents`, `fp8`, `overwrite_output_dir` (absent from transformers 5).
+    `optim` takes `"muon"` besides transformers' `OptimizerNames`: `hfl3.optim.MuonAdamW` with nanochat's groups
+    (`hfl3.optim.groups`), whose learning rates are the `*_lr` fields (None: nanochat's; `learning_rate` is then not
+    used). transformers validates `optim` as an `OptimizerNames` in `TrainingArguments.__post_init__`, so
+    `__post_init__` runs it with "adamw_torch" in its place and sets "muon" back afterwards (a plain `str`; nothing in
+    the Trainer reads it once `L3GPTTrainer.create_optimizer` has built the optimizer). Any other `optim` is the
+    Trainer's own optimizer, with weight decay on >= 2-D weights only (`L3GPTTrainer.get_decay_parameter_names`).
 
-    Defaults that differ from `TrainingArguments`: `lr_scheduler_type="warmup_stable_decay"` (nanochat: warmup →
-    constant → linear warmdown over the last `warmdown_ratio` of the steps to `final_lr_frac` × LR),
-    `learning_rate=3e-3`, `weight_decay=0.0`, `adam_beta2=0.95`, `max_grad_norm=1.0`, `eval_strategy="steps"`,
+    Added fields: `max_length` (packed row length, as TRL spells it; also the model's `max_position_embeddings`),
+    `warmdown_ratio`, `final_lr_frac`, `attend_across_documents`, `fp8`, `overwrite_output_dir` (absent from
+    transformers 5), and the Muon group LRs `matrix_lr`, `embedding_lr`, `unembedding_lr`, `scalar_lr`,
+    `l3_table_lr`, `value_embedding_lr`, `smear_lr`.
+
+    Defaults that differ from `TrainingArguments`: `optim="adamw_torch"`, `lr_scheduler_type="warmup_stable_decay"`
+    (nanochat: warmup → constant → linear warmdown over the last `warmdown_ratio` of the steps to `final_lr_frac` ×
+    LR), `learning_rate=3e-3`, `weight_decay=0.0`, `adam_beta2=0.95`, `max_grad_norm=1.0`, `eval_strategy="steps"`,
     `logging_steps=10`, `save_strategy="no"`, `remove_unused_columns=False`,
     `include_num_input_tokens_seen=True` ("all", counted without a per-step device sync by `L3GPTTrainer`),
     `logging_nan_inf_filter=False` (transformers' filter syncs the device every step and logs a non-finite loss as
     the running mean, hiding a divergence), `ignore_data_skip=True` (a streamed dataset resumes from the state saved
     in the checkpoint, not by skipping batches), `save_safetensors` always (transformers v5).
-    Pass `--optim` as usual for the AdamW variant; `--optimizer muon` selects Muon whatever `--optim` says.
     """
 
-    optimizer: str = field(default="adamw", metadata={"help": "adamw (AdamW, decay on >=2-D weights) or muon"})
+    _argument_group_name = ("training (PretrainConfig: transformers.TrainingArguments; hfl3's fields last: "
+                            "max_length, warmdown_ratio, fp8, the Muon group LRs matrix_lr ...)")
+
+    max_length: int = field(default=512, metadata={"help": "packed row length in tokens (and the model's "
+                                                         "max_position_embeddings)"})
+    optim: str = field(default="adamw_torch", metadata={"help": "muon (hfl3 MuonAdamW, group LRs *_lr) or one of "
+                                                        "transformers' OptimizerNames"})
     warmdown_ratio: float = field(default=0.2, metadata={"help": "share of steps in the final linear warmdown"})
     final_lr_frac: float = field(default=0.0, metadata={"help": "LR at the end of the warmdown, as a fraction"})
     attend_across_documents: bool = field(
@@ -49,8 +67,21 @@ class PretrainConfig(TrainingArguments):
     fp8: str | None = field(default=None, metadata={"help": "tensorwise or rowwise: hfl3.fp8 Float8Linear"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "replace a non-empty output_dir's files "
                                                                 "when this run finishes"})
+    matrix_lr: float | None = field(default=None, metadata={"help": "--optim muon: LR of the Muon matrices "
+                                                            "(default 0.02)"})
+    embedding_lr: float | None = field(default=None, metadata={"help": "--optim muon: token embedding LR (default "
+                                                               "0.3, scaled by (hidden_size/768)^-0.5)"})
+    unembedding_lr: float | None = field(default=None, metadata={"help": "--optim muon: lm_head LR (default 0.004, "
+                                                                 "scaled)"})
+    scalar_lr: float | None = field(default=None, metadata={"help": "--optim muon: LR of scalars (default 0.5)"})
+    l3_table_lr: float | None = field(default=None, metadata={"help": "--optim muon: L3 table LR (default: "
+                                                              "embedding_lr, scaled)"})
+    value_embedding_lr: float | None = field(default=None, metadata={"help": "--optim muon: value-embedding LR "
+                                                                     "(default: embedding_lr / 2, scaled)"})
+    smear_lr: float | None = field(default=None, metadata={"help": "--optim muon: smear gate / backout LR (default "
+                                                           "0.2)"})
     lr_scheduler_type: str = field(default="warmup_stable_decay", metadata={"help": "see TrainingArguments"})
-    learning_rate: float = field(default=3e-3, metadata={"help": "AdamW peak LR (Muon uses its group LRs)"})
+    learning_rate: float = field(default=3e-3, metadata={"help": "peak LR (--optim muon: not used, see *_lr)"})
     weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay on >=2-D weights"})
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
     eval_strategy: str = field(default="steps", metadata={"help": "see TrainingArguments"})
@@ -64,8 +95,6 @@ class PretrainConfig(TrainingArguments):
 
     def __post_init__(self):
         check_training_arguments(self)  # issue 15: refuse a zero/negative learning rate or max_steps 0
-        if self.optimizer not in ("adamw", "muon"):
-            raise ValueError(f"optimizer={self.optimizer!r}; expected 'adamw' or 'muon'")
         if self.fp8 not in (None, "tensorwise", "rowwise"):
             raise ValueError(f"fp8={self.fp8!r}; expected tensorwise, rowwise or unset")
         if not 0 <= self.warmdown_ratio <= 1:
@@ -75,7 +104,18 @@ class PretrainConfig(TrainingArguments):
                 "fp8=%s without torch_compile: the per-tensor scaling runs as separate eager kernels and the step is "
                 "slower than bf16 (0.65x bf16 on an H100 at d12 and d20, dev/LOG.md 2026-11-23); add "
                 "--torch_compile true", self.fp8)
+        muon = self.optim == MUON
+        if muon:
+            self.optim = "adamw_torch"
         super().__post_init__()
+        if muon:
+            self.optim = MUON
+
+    def muon_learning_rates(self) -> dict[str, float]:
+        """The group LRs given (`matrix_lr=...` etc.), for `hfl3.optim.create_muon_optimizer`."""
+        names = ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "l3_table_lr", "value_embedding_lr",
+                 "smear_lr")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
 class PackedCollator:
@@ -161,7 +201,7 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
         if isinstance(self.train_dataset, PackedStream) and not self.args.ignore_data_skip:
             raise ValueError("a streamed train_dataset resumes from the state saved in the checkpoint: set "
                              "ignore_data_skip=True (PretrainConfig's default); skipping batches would re-read it")
-        if self.args.optimizer == "muon":
+        if self.args.optim == MUON:
             from hfl3.optim import refuse_unsupported_sharding
 
             # Here, not only in create_optimizer: a DeepSpeed config with its own optimizer section skips that.
@@ -226,30 +266,19 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
         super().create_optimizer_and_scheduler(num_training_steps)
 
     def create_optimizer(self, model=None):
-        """`--optimizer muon`: `hfl3.optim.create_muon_optimizer`; otherwise AdamW (args' LR, betas, eps) with
-        weight decay on ≥ 2-D weights only (norm-free model: the 1-D parameters are the per-layer scalars)."""
-        if self.optimizer is not None:
-            return self.optimizer
-        model = model or self.model
-        if self.args.optimizer == "muon":
-            from hfl3.optim import create_muon_optimizer
+        """`--optim muon`: `hfl3.optim.create_muon_optimizer` with the config's group LRs; otherwise the Trainer's own
+        optimizer (`--optim`), weight decay on >= 2-D weights only."""
+        if self.optimizer is not None or self.args.optim != MUON:
+            return super().create_optimizer(model)
+        from hfl3.optim import create_muon_optimizer
 
-            self.optimizer = create_muon_optimizer(
-                model, self.args, num_training_steps=getattr(self, "_num_training_steps", None)
-            )
-            return self.optimizer
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": self.args.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]],
-            lr=self.args.learning_rate,
-            betas=(self.args.adam_beta1, self.args.adam_beta2),
-            eps=self.args.adam_epsilon,
-        )
+        self.optimizer = create_muon_optimizer(model or self.model, self.args, **self.args.muon_learning_rates(),
+                                               num_training_steps=getattr(self, "_num_training_steps", None))
         return self.optimizer
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        """The >= 2-D weights (norm-free model: the 1-D parameters are the per-layer scalars, not decayed)."""
+        return [name for name, parameter in model.named_parameters() if parameter.ndim >= 2]
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """For `warmup_stable_decay`, derive `num_decay_steps` from `warmdown_ratio` and `min_lr_ratio` from

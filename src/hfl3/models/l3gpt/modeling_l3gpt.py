@@ -21,6 +21,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.utils.output_capturing import capture_outputs
 
 from .allocation import bounds_from_counts, uniform_allocation
 from .attention_utils import L3GPTRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
@@ -353,6 +354,10 @@ class L3GPTPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    # `output_hidden_states=True` / `output_attentions=True` (transformers' `capture_outputs` hooks): the input of the
+    # first decoder layer and each decoder layer's output (before an L3 layer after it), the last replaced by the
+    # final-normed `last_hidden_state`; the attention weights where the backend returns them (eager)
+    _can_record_outputs = {"hidden_states": L3GPTDecoderLayer, "attentions": L3GPTAttention}
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -470,6 +475,7 @@ class L3GPTModel(L3GPTPreTrainedModel):
             return routing
         return routing._replace(prefetch=prefetch_routed_rows(input_ids, self.l3_bounds, routing, tables))
 
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -489,6 +495,9 @@ class L3GPTModel(L3GPTPreTrainedModel):
                 positions mark packed documents, which then do not attend to each other (transformers' masks).
             past_key_values (`Cache`, *optional*): a `DynamicCache` for incremental decoding.
             inputs_embeds (`torch.FloatTensor` of shape `(batch_size, seq_len, hidden_size)`, *optional*).
+            output_hidden_states, output_attentions (in `kwargs`): also return `hidden_states` (`num_hidden_layers +
+                1` tensors `(batch_size, seq_len, hidden_size)`: the first layer's input, then each layer's output,
+                the last being `last_hidden_state`) / `attentions` (see `_can_record_outputs`).
 
         Returns:
             `BaseModelOutputWithPast` with `last_hidden_state` `(batch_size, seq_len, hidden_size)` (final-normed).
@@ -563,9 +572,10 @@ class L3GPTModel(L3GPTPreTrainedModel):
 
 
 class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
-    """L3GPT with an untied output head and a logit softcap `c·tanh(logits/c)` (float32, c =
-    `config.final_logit_softcapping`). Loss: transformers' `ForCausalLMLoss` semantics on unshifted `labels` (the
-    shift is inside; -100 ignored), exact under gradient accumulation when the Trainer passes `num_items_in_batch`.
+    """L3GPT with an untied output head and a logit softcap `c·tanh(logits/c)` (computed in float32 or wider, c =
+    `config.final_logit_softcapping`; the returned logits are in the head's dtype, as Qwen3's). Loss: transformers'
+    `ForCausalLMLoss` semantics on unshifted `labels` (the shift is inside; -100 ignored), exact under gradient
+    accumulation when the Trainer passes `num_items_in_batch`.
 
     In training mode with `labels`, the loss is computed by `linear_cross_entropy.causal_lm_loss` (Liger's fused
     linear cross-entropy on CUDA when installed, a chunked PyTorch function elsewhere) and no `(batch, seq, vocab)`
@@ -610,8 +620,9 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
 
         Returns:
             `CausalLMOutputWithPast`: `loss` (nats per target token) when `labels` is given; `logits`
-            `(batch_size, kept_len, vocab_size)` in float32, or None in training mode with `labels` unless
-            `return_logits`.
+            `(batch_size, kept_len, vocab_size)` in `lm_head.weight`'s dtype (the softcap and the loss run in float32
+            or wider), or None in training mode with `labels` unless `return_logits`; `hidden_states` / `attentions`
+            when asked for (see [`L3GPTModel.forward`]).
         """
         register_zero3_owner(self, self.lm_head.weight)
         outputs = self.model(
@@ -628,14 +639,18 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
         cap = self.config.final_logit_softcapping
         if labels is not None and self.training and not return_logits:
             loss = causal_lm_loss(hidden_states, self.lm_head.weight, labels, softcap=cap, **kwargs)
-            return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values)
-        logits = self.lm_head(hidden_states).float()  # (B, T, V)
+            return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                          hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        logits = self.lm_head(hidden_states)  # (B, T, V)
         if cap is not None:
-            logits = cap * torch.tanh(logits / cap)
+            # at least float32, as nanochat's (ForCausalLMLoss upcasts too); a float64 model keeps float64
+            logits = cap * torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits.to(self.lm_head.weight.dtype),
+                                      past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+                                      attentions=outputs.attentions)
 
 
 __all__ = [
