@@ -42,7 +42,7 @@ from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
 from hfl3.trainers.guards import exit_on_training_error
-from hfl3.trainers.launch import add_config_argument, check_world_size, parse_recipe_args
+from hfl3.trainers.launch import add_config_argument, check_launch, parse_recipe_args
 from hfl3.trainers.outputs import prepare_output_dir, work_dir
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 
@@ -208,7 +208,7 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     set_seed(training_args.seed)
     prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
-    check_world_size(training_args)
+    check_launch(training_args)  # refuse a distributed setup that accelerate silently replaced
     data = prepare_data(script_args, training_args, training_args.max_length)
     tokenizer = data.train.tokenizer
     config = model_args.config(tokenizer, training_args.max_length)
