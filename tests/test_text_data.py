@@ -42,9 +42,10 @@ def test_trained_tokenizer_round_trips_and_has_chatml(tokenizer):
     assert tokenizer.convert_tokens_to_ids(IM_START) != tokenizer.unk_token_id
 
 
-@pytest.mark.parametrize("name", ["ours", "qwen3", "gemma3"])
-def test_token_bytes_counts_raw_utf8_bytes(name, tokenizer, assets):
-    tok = tokenizer if name == "ours" else AutoTokenizer.from_pretrained(assets / "tokenizers" / name)
+@pytest.mark.parametrize("name", ["ours", "qwen3", pytest.param("gemma3", marks=pytest.mark.gemma3)])
+def test_token_bytes_counts_raw_utf8_bytes(name, tokenizer, assets, gemma3_tokenizer):
+    loaded = {"ours": tokenizer, "gemma3": gemma3_tokenizer}
+    tok = loaded[name] if name in loaded else AutoTokenizer.from_pretrained(assets / "tokenizers" / name)
     lengths = token_bytes(tok)
     assert lengths.shape == (len(tok),)
     for sample in ["naïve café — 日本語 🙂", "def f(x):\n    return x ** 2\n", "  \t spaces"]:
@@ -170,7 +171,8 @@ def test_a_held_out_source_leaves_the_training_corpus(assets):
     held_out = sources.open_corpus(str(folder / "pg11_alice_in_wonderland.txt"))
     corpus = sources.open_corpus(str(folder), exclude=held_out)
     assert [s.separator for s in held_out.shards] == [sources.BLANK_LINES]  # one file: split at blank lines
-    assert len(corpus.shards) == 8 and "pg11_alice_in_wonderland.txt" not in [s.name for s in corpus.shards]
+    novels = len(list(folder.glob("*.txt")))
+    assert len(corpus.shards) == novels - 1 and "pg11_alice_in_wonderland.txt" not in [s.name for s in corpus.shards]
     assert all(s.separator is None for s in corpus.shards)  # files of a folder: whole
 
 
