@@ -11,9 +11,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_ASSETS = REPO_ROOT.parent / "shared" / "assets"
-# The instruction-tuned Gemma 3 whose tokenizer files (262,145 tokens with the image token, processor_class
-# Gemma3Processor, the stock chat template) are the ones the tests were written against. The repository is gated:
-# the Hub serves it to a token whose account accepted the Gemma terms.
+# A multimodal instruction-tuned Gemma 3, chosen from what the files the tests were written against say of themselves
+# (262,145 tokens with the image token, processor_class Gemma3Processor, the stock chat template); not compared with
+# the Hub's files (no network here). The repository is gated: the Hub serves it to a token that accepted the terms.
 GEMMA3_HUB_ID = "google/gemma-3-4b-it"
 GEMMA3_FILES = ("tokenizer.json", "tokenizer_config.json")
 
