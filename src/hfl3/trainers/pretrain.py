@@ -107,7 +107,8 @@ class PretrainConfig(TrainingArguments):
         "help": "√(total_batch_size / 2^19), set by apply_compute_optimal_plan; multiplies every group's LR"})
     lr_scheduler_type: str = field(default="warmup_stable_decay", metadata={"help": "see TrainingArguments"})
     learning_rate: float = field(default=3e-3, metadata={"help": "peak LR (--optim muon: not used, see *_lr)"})
-    weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay on >=2-D weights"})
+    weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay on >=2-D weights (λ_ref, "
+                                                        "rescaled when the compute-optimal dial sizes the run)"})
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
     eval_strategy: str = field(default="steps", metadata={"help": "see TrainingArguments"})
     logging_steps: float = field(default=10, metadata={"help": "see TrainingArguments"})
