@@ -8,9 +8,11 @@
     # one GPU
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/pretrain.py \
         --config recipes/configs/gutenberg.yaml --depth 12 --bf16
-    # nanochat's d12 on FineWeb-Edu, streamed from the Hub, 8 GPUs
+    # nanochat's d12 on FineWeb-Edu, streamed from the Hub, 8 GPUs, sized by the compute-optimal dial
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/pretrain.py \
         --config recipes/configs/fineweb_d12.yaml
+    # its plan only (parameters, FLOPs, steps, batch, LRs, weight decay), offline, no data read
+    python recipes/pretrain.py --config recipes/configs/fineweb_d12.yaml --dry_run
 
 The training data is a stream (`hfl3.data.streaming`): documents are read, tokenized and packed on the fly in each
 process's DataLoader workers (`--dataloader_num_workers`), memory flat in corpus size, and a checkpoint resumes it
@@ -20,11 +22,16 @@ files with sha256, split, the sha256 of the consumed token rows), README.md (mod
 (`hfl3.trainers.outputs`): a non-empty `--output_dir` is refused unless the run resumes from it
 (`--resume_from_checkpoint latest`, which also uses the checkpoint's tokenizer and L3 allocation) or
 `--overwrite_output_dir` is given; checkpoints appear only when complete.
+
+The run is sized at start by nanochat's compute-optimal dial (`hfl3.trainers.compute_optimal`): steps from
+`--max_steps`, else `--target_flops`, else `--target_param_data_ratio` (12); `--total_batch_size` in tokens (-1: auto)
+with the gradient accumulation derived from it; LRs and weight decay rescaled to that batch and horizon. The plan is
+printed as a table and written to metadata.json (`compute_optimal`); `--dry_run` prints it and exits.
 """
 
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import hfl3  # noqa: F401  (before transformers: keeps torchao import-time warnings out of the launch, fp8/ao.py)
 import datasets
@@ -35,12 +42,13 @@ from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deeps
 from trl import TrlParser
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM, fp8, provenance
-from hfl3.callbacks import LossPlotCallback, SampleCallback, ThroughputCallback, flops_per_token
+from hfl3.callbacks import LossPlotCallback, SampleCallback, ThroughputCallback
 from hfl3.data import sources
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
+from hfl3.trainers.compute_optimal import REFERENCE_DEPTH, ComputeOptimalPlan, compute_optimal_plan
 from hfl3.trainers.guards import exit_on_training_error
 from hfl3.trainers.launch import add_config_argument, check_world_size, parse_recipe_args
 from hfl3.trainers.outputs import prepare_output_dir, work_dir
@@ -81,6 +89,8 @@ class ScriptArguments:
     # No trailing space: BPE words carry their leading space (" foo"), so "def " would end on a lone-space token
     sample_prompts: list[str] = field(default_factory=lambda: ["def", "import", "class"],
                                       metadata={"help": "prompts for greedy samples at eval time"})
+    dry_run: bool = field(default=False, metadata={"help": "print the compute-optimal plan and exit before reading "
+                                                   "data (vocabulary: --tokenizer_name_or_path's, else --vocab_size)"})
 
 
 @dataclass
@@ -105,18 +115,29 @@ class ModelArguments:
     attn_implementation: str | None = field(default=None, metadata={"help": "sdpa (default), eager or "
                                                                     "flash_attention_2"})
 
-    def config(self, tokenizer, max_length: int) -> L3GPTConfig:
-        """The `L3GPTConfig` for `tokenizer` (vocabulary, special tokens) and rows of `max_length` tokens."""
+    def config(self, vocab_size: int, max_length: int, **token_ids) -> L3GPTConfig:
+        """The `L3GPTConfig` for a vocabulary of `vocab_size` tokens, rows of `max_length` tokens and the tokenizer's
+        `bos_token_id` / `eos_token_id` / `pad_token_id` (`token_ids`)."""
         given = {k: v for k, v in asdict(self).items() if v is not None and k != "depth"}
-        return L3GPTConfig.from_depth(self.depth, vocab_size=len(tokenizer), max_position_embeddings=max_length,
-                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id, **given)
+        return L3GPTConfig.from_depth(self.depth, vocab_size=vocab_size, max_position_embeddings=max_length,
+                                      **token_ids, **given)
 
 
 def make_parser() -> TrlParser:
     """`TrlParser` over the script, model and training arguments, in that order so that `--help` lists the recipe's
     own options first (after `--config`); it returns them in that order too."""
     return add_config_argument(TrlParser((ScriptArguments, ModelArguments, PretrainConfig)))
+
+
+def plan_run(model_args: ModelArguments, training_args: PretrainConfig, vocab_size: int) -> ComputeOptimalPlan:
+    """nanochat's compute-optimal plan for this model at `vocab_size` (reference: the same model arguments at depth
+    12 without L3 layers, nanochat's `build_model_meta(12)`), its table logged by the main process."""
+    max_length = training_args.max_length
+    reference = replace(model_args, depth=REFERENCE_DEPTH, l3_after_layers=None).config(vocab_size, max_length)
+    plan = compute_optimal_plan(model_args.config(vocab_size, max_length), reference, training_args)
+    if training_args.process_index == 0:
+        logger.info("%s", plan.table())
+    return plan
 
 
 def open_data(script_args: ScriptArguments, seed: int) -> tuple[DocumentSource, DocumentSource]:
@@ -207,11 +228,23 @@ def data_metadata(script_args: ScriptArguments, data: PretrainData, consumed: di
 def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args: ModelArguments) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     set_seed(training_args.seed)
-    prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
+    if not script_args.dry_run:  # a dry run neither checks nor touches the output folder
+        prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
     check_world_size(training_args)
+    # Sized before any data work, with the vocabulary the run will have (a BPE is trained to --vocab_size)
+    tokenizer_source = (None if script_args.dry_run else training_args.resume_from_checkpoint) or \
+        script_args.tokenizer_name_or_path
+    plan = plan_run(model_args, training_args,
+                    len(load_tokenizer(tokenizer_source)) if tokenizer_source else script_args.vocab_size)
+    if script_args.dry_run:
+        return plan.as_dict()
     data = prepare_data(script_args, training_args, training_args.max_length)
     tokenizer = data.train.tokenizer
-    config = model_args.config(tokenizer, training_args.max_length)
+    config = model_args.config(len(tokenizer), training_args.max_length, bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if config.vocab_size != plan.vocab_size:  # a BPE trained on little text can stop short of --vocab_size
+        plan = plan_run(model_args, training_args, len(tokenizer))
+    training_args.apply_compute_optimal_plan(plan)
     model = L3GPTForCausalLM(config)
     if config.l3_after_layers and not training_args.resume_from_checkpoint:  # resuming: the checkpoint's
         sample = data.train.sample_documents(script_args.l3_sample_tokens)
@@ -234,7 +267,7 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
         data_collator=PackedCollator(tokenizer.bos_token_id, training_args.attend_across_documents),
         processing_class=tokenizer, compute_metrics=bpb,
         preprocess_logits_for_metrics=BitsPerByte.preprocess_logits_for_metrics,
-        callbacks=[ThroughputCallback(flops_per_token(config, training_args.max_length)),
+        callbacks=[ThroughputCallback(plan.flops_per_token),
                    LossPlotCallback(("loss", "eval_bpb"))],
     )
     if is_deepspeed_zero3_enabled():  # SampleCallback generates on rank 0 alone; ZeRO-3 needs every rank's shards
@@ -254,7 +287,7 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
     trainer.provenance = provenance.build_metadata(
         data=data_metadata(script_args, data, consumed),
         model=config.to_dict(), script_args=asdict(script_args), model_args=asdict(model_args),
-        training_args=training_args.to_dict(), results=metrics,
+        training_args=training_args.to_dict(), compute_optimal=plan.as_dict(), results=metrics,
     )
     with trainer.finish_output():  # staged, committed whole: weights, tokenizer, metadata.json, card, results
         trainer.save_metrics("all", metrics)

@@ -52,6 +52,9 @@ def test_recipe_writes_a_complete_folder_and_learns(recipe_run):
         assert json.loads(f.metadata()["hfl3.data"])["train_tokens_sha256"] == digest
     assert digest in (output_dir / "README.md").read_text()
     assert "world size 1" in log and "reloaded from" in log
+    plan = metadata["compute_optimal"]  # the start-up table's numbers; pretrain_tiny.yaml sizes its run by hand
+    assert "compute-optimal plan" in log and (plan["max_steps"], plan["total_batch_size"]) == (30, 8 * 64)
+    assert not plan["sized_by_dial"] and plan["lr_scale"] == 1.0 and plan["parameter_counts"]["l3_table"] > 0
     model = AutoModelForCausalLM.from_pretrained(output_dir)
     assert isinstance(model, L3GPTForCausalLM)
     counts = model.model.l3_counts()

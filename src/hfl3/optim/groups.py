@@ -44,21 +44,27 @@ def param_groups_by_kind(
     value_embedding_lr: float | None = None,
     smear_lr: float = SMEAR_LR,
     hidden_size: int | None = None,
+    batch_lr_scale: float = 1.0,
 ) -> list[dict]:
     """Split the trainable parameters of `model` into MuonAdamW groups by module type and shape.
 
-    | group name        | kind  | what                                                       | lr                       |
-    |-------------------|-------|------------------------------------------------------------|--------------------------|
-    | `matrix`          | muon  | 2-D weights of every `nn.Linear` except the output head    | `matrix_lr`              |
-    | `embedding`       | adamw | `get_input_embeddings()` and any other `nn.Embedding`      | `embedding_lr · s`       |
-    | `l3_table`        | adamw | the `nn.Embedding`s inside an L3 `LargeLookupLayer`        | `l3_table_lr · s`        |
-    | `value_embedding` | adamw | the `nn.Embedding`s inside L3GPT's `L3GPTValueEmbeddings`  | `value_embedding_lr · s` |
-    | `unembedding`     | adamw | `get_output_embeddings()` (when tied: the shared weight)   | `unembedding_lr · s`     |
-    | `scalar`          | adamw | 0-/1-D parameters: norm gains, biases, `x0_lambdas`        | `scalar_lr`              |
-    | `residual_scalar` | adamw | a module's `resid_lambdas` (L3GPT, nanochat)               | `scalar_lr · 0.01`       |
-    | `smear`           | adamw | `L3GPTSmear` (gate, `smear_lambda`) and `backout_lambda`   | `smear_lr`               |
+    | group name        | kind  | what                                                      | lr                       |
+    |-------------------|-------|-----------------------------------------------------------|--------------------------|
+    | `matrix`          | muon  | 2-D weights of every `nn.Linear` except the output head   | `matrix_lr·b`            |
+    | `embedding`       | adamw | `get_input_embeddings()` and any other `nn.Embedding`     | `embedding_lr·s·b`       |
+    | `l3_table`        | adamw | the `nn.Embedding`s inside an L3 `LargeLookupLayer`       | `l3_table_lr·s·b`        |
+    | `value_embedding` | adamw | the `nn.Embedding`s inside L3GPT's `L3GPTValueEmbeddings` | `value_embedding_lr·s·b` |
+    | `unembedding`     | adamw | `get_output_embeddings()` (when tied: the shared weight)  | `unembedding_lr·s·b`     |
+    | `scalar`          | adamw | 0-/1-D parameters: norm gains, biases, `x0_lambdas`       | `scalar_lr·b`            |
+    | `residual_scalar` | adamw | a module's `resid_lambdas` (L3GPT, nanochat)              | `scalar_lr·0.01·b`       |
+    | `smear`           | adamw | `L3GPTSmear` (gate, `smear_lambda`) and `backout_lambda`  | `smear_lr`               |
 
-    `s = (hidden_size / 768) ** -0.5` (nanochat scales its AdamW LRs so, having tuned them at 768).
+    The one rule for every group's LR, as nanochat master (92d63d4) sets them: the base LR, tuned on its d12 at a
+    total batch of 2^19 tokens, times `s = (hidden_size / 768) ** -0.5` for the embedding-like AdamW groups
+    (nanochat's `setup_optimizer`: "tuned for 768 dim model") and times `b = batch_lr_scale`, the total-batch scale
+    √(B / 2^19) of the compute-optimal dial (`hfl3.trainers.compute_optimal`; 1 for a run sized by hand), for every
+    group but `smear`, whose 0.2 nanochat's `setup_optimizer` fixes outside both scales.
+
     The L3 tables default to `embedding_lr`: they are embedding rows gathered by token id, updated
     only for the tokens in the batch, like the token embedding. The value embeddings default to
     `0.5 · embedding_lr` and the smear group to 0.2, unscaled (nanochat's `setup_optimizer`); the value-embedding
@@ -76,6 +82,7 @@ def param_groups_by_kind(
             model has them (transformers `PreTrainedModel`), which also covers Qwen3 and Llama.
         hidden_size: for the LR scale `s`; default `model.config.hidden_size`, else the input
             embedding width.
+        batch_lr_scale: `b` above.
 
     Returns:
         list of dicts with `params`, `kind`, `name`, `lr`, ready for `MuonAdamW`.
@@ -131,16 +138,17 @@ def param_groups_by_kind(
                     f"{type(module).__name__} is neither an nn.Linear/nn.Embedding weight nor 0-/1-D; MuonAdamW "
                     "has no rule for it. Freeze it, or build the param groups yourself (kind='adamw')."
                 )
+    scale *= batch_lr_scale
     learning_rates = {
-        "matrix": matrix_lr,
+        "matrix": matrix_lr * batch_lr_scale,
         "embedding": embedding_lr * scale,
         "l3_table": (embedding_lr if l3_table_lr is None else l3_table_lr) * scale,
         "value_embedding": (
             embedding_lr * VALUE_EMBEDDING_LR_FACTOR if value_embedding_lr is None else value_embedding_lr
         ) * scale,
         "unembedding": unembedding_lr * scale,
-        "scalar": scalar_lr,
-        "residual_scalar": scalar_lr * RESIDUAL_SCALAR_LR_FACTOR,
+        "scalar": scalar_lr * batch_lr_scale,
+        "residual_scalar": scalar_lr * RESIDUAL_SCALAR_LR_FACTOR * batch_lr_scale,
         "smear": smear_lr,
     }
     by_name: dict[str, list[nn.Parameter]] = {name: [] for name in learning_rates}
@@ -185,7 +193,8 @@ def create_muon_optimizer(
 
     `compile_update`: `MuonAdamW`'s (None: each same-shape stack's Muon update is `torch.compile`d on CUDA only).
 
-    Other `hyperparameters`: `hidden_size` (LR scale) and any Muon group key of `MUON_DEFAULTS`
+    Other `hyperparameters`: `hidden_size` and `batch_lr_scale` (LR scales, see `param_groups_by_kind`) and any Muon
+    group key of `MUON_DEFAULTS`
     (`momentum`, `momentum_warmup_start`, `momentum_warmup_steps`, `beta2`, `cautious_weight_decay`,
     `ns_coefficients`, `orthogonalize_dtype`, ...).
 
@@ -198,13 +207,13 @@ def create_muon_optimizer(
     """
     refuse_unsupported_sharding(args)
     lr_keys = ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "l3_table_lr", "value_embedding_lr",
-               "smear_lr", "hidden_size")
+               "smear_lr", "hidden_size", "batch_lr_scale")
     group_kwargs = {key: hyperparameters.pop(key) for key in lr_keys if key in hyperparameters}
     allowed = set(MUON_DEFAULTS) - {"lr", "weight_decay"}
     if set(hyperparameters) - allowed:
         raise ValueError(
             f"create_muon_optimizer: unknown hyperparameters {sorted(set(hyperparameters) - allowed)}; the LRs are "
-            f"{list(lr_keys[:-1])}, the weight decay is args.weight_decay, the Muon keys are {sorted(allowed)}"
+            f"{list(lr_keys[:-2])}, the weight decay is args.weight_decay, the Muon keys are {sorted(allowed)}"
         )
     if num_training_steps is None and getattr(args, "max_steps", -1) > 0:
         num_training_steps = args.max_steps

@@ -14,6 +14,7 @@ from transformers import EvalPrediction, Trainer, TrainingArguments
 from hfl3 import fp8
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DATA_STATE_KEY, PackedStream, StreamBatch, StreamProgress, stream_dataloader
+from hfl3.trainers.compute_optimal import derive_gradient_accumulation_steps
 from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
 from hfl3.trainers.outputs import L3GPTOutputs, resolve_checkpoint
 
@@ -37,8 +38,19 @@ class PretrainConfig(TrainingArguments):
 
     Added fields: `max_length` (packed row length, as TRL spells it; also the model's `max_position_embeddings`),
     `warmdown_ratio`, `final_lr_frac`, `attend_across_documents`, `fp8`, `overwrite_output_dir` (absent from
-    transformers 5), and the Muon group LRs `matrix_lr`, `embedding_lr`, `unembedding_lr`, `scalar_lr`,
-    `l3_table_lr`, `value_embedding_lr`, `smear_lr`.
+    transformers 5), the Muon group LRs `matrix_lr`, `embedding_lr`, `unembedding_lr`, `scalar_lr`,
+    `l3_table_lr`, `value_embedding_lr`, `smear_lr`, and nanochat's compute-optimal dial `target_param_data_ratio`,
+    `target_flops`, `total_batch_size`.
+
+    The dial (`hfl3.trainers.compute_optimal`, nanochat base_train's rules): the steps come from `max_steps` if given,
+    else from `target_flops`, else from `target_param_data_ratio` (None: 12) tokens per scaling parameter;
+    `total_batch_size` (tokens per optimizer step; -1 = auto, B ∝ D^0.383 around 2^19 at d12) sets
+    `gradient_accumulation_steps`, and then every group's LR is scaled by √(B/2^19) and `weight_decay` (λ_ref) by
+    √(B/2^19)·D_ref/D. A recipe computes the plan with `compute_optimal_plan` once the model's vocabulary is known and
+    calls `apply_compute_optimal_plan` before building the Trainer. With `max_steps` given and no `total_batch_size`
+    the run is sized by hand, as before: nothing is rescaled. `num_train_epochs` is not used by a streamed run: the
+    stream repeats and `max_steps` (given or planned) ends it; `warmup_steps` below 1 and `warmdown_ratio` are
+    fractions of that `max_steps`.
 
     Defaults that differ from `TrainingArguments`: `optim="adamw_torch"`, `lr_scheduler_type="warmup_stable_decay"`
     (nanochat: warmup → constant → linear warmdown over the last `warmdown_ratio` of the steps to `final_lr_frac` ×
@@ -51,7 +63,8 @@ class PretrainConfig(TrainingArguments):
     """
 
     _argument_group_name = ("training (PretrainConfig: transformers.TrainingArguments; hfl3's fields last: "
-                            "max_length, warmdown_ratio, fp8, the Muon group LRs matrix_lr ...)")
+                            "max_length, warmdown_ratio, fp8, the Muon group LRs matrix_lr ..., the compute-optimal "
+                            "dial target_param_data_ratio, target_flops, total_batch_size)")
 
     max_length: int = field(default=512, metadata={"help": "packed row length in tokens (and the model's "
                                                          "max_position_embeddings)"})
@@ -80,9 +93,22 @@ class PretrainConfig(TrainingArguments):
                                                                      "(default: embedding_lr / 2, scaled)"})
     smear_lr: float | None = field(default=None, metadata={"help": "--optim muon: smear gate / backout LR (default "
                                                            "0.2)"})
+    target_param_data_ratio: float | None = field(
+        default=None, metadata={"help": "training tokens per scaling parameter (matrices + lm_head) when neither "
+                                "max_steps nor target_flops is given (None: nanochat's 12); also the horizon D of the "
+                                "auto batch and the weight decay"})
+    target_flops: float | None = field(default=None, metadata={"help": "training FLOPs budget: steps = target_flops / "
+                                                               "(FLOPs per token x total batch), unless max_steps"})
+    total_batch_size: int | None = field(
+        default=None, metadata={"help": "tokens per optimizer step, -1 = nanochat's auto rule; sets "
+                                "gradient_accumulation_steps and scales LRs and weight decay (None: -1 unless "
+                                "max_steps is given, then per-device batch x max_length x world x accumulation)"})
+    batch_lr_scale: float = field(default=1.0, init=False, metadata={
+        "help": "√(total_batch_size / 2^19), set by apply_compute_optimal_plan; multiplies every group's LR"})
     lr_scheduler_type: str = field(default="warmup_stable_decay", metadata={"help": "see TrainingArguments"})
     learning_rate: float = field(default=3e-3, metadata={"help": "peak LR (--optim muon: not used, see *_lr)"})
-    weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay on >=2-D weights"})
+    weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay on >=2-D weights (λ_ref, "
+                                                        "rescaled when the compute-optimal dial sizes the run)"})
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
     eval_strategy: str = field(default="steps", metadata={"help": "see TrainingArguments"})
     logging_steps: float = field(default=10, metadata={"help": "see TrainingArguments"})
@@ -99,6 +125,13 @@ class PretrainConfig(TrainingArguments):
             raise ValueError(f"fp8={self.fp8!r}; expected tensorwise, rowwise or unset")
         if not 0 <= self.warmdown_ratio <= 1:
             raise ValueError(f"warmdown_ratio={self.warmdown_ratio} must be in [0, 1]")
+        for name in ("target_param_data_ratio", "target_flops"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive (leave it out to use the next rule: "
+                                 "max_steps > target_flops > target_param_data_ratio)")
+        if self.total_batch_size is not None and not (self.total_batch_size == -1 or self.total_batch_size > 0):
+            raise ValueError(f"total_batch_size={self.total_batch_size}: expected tokens per optimizer step, or -1 "
+                             "for nanochat's auto rule")
         if self.fp8 and not self.torch_compile:
             logger.warning(
                 "fp8=%s without torch_compile: the per-tensor scaling runs as separate eager kernels and the step is "
@@ -110,6 +143,34 @@ class PretrainConfig(TrainingArguments):
         super().__post_init__()
         if muon:
             self.optim = MUON
+        if self.total_batch_size is not None and self.total_batch_size > 0:  # the auto batch is checked when planned
+            derive_gradient_accumulation_steps(self.total_batch_size, self.per_device_train_batch_size,
+                                               self.max_length, self.world_size)
+
+    def apply_compute_optimal_plan(self, plan) -> None:
+        """Size this run by `plan` (a `hfl3.trainers.compute_optimal.ComputeOptimalPlan` computed from these
+        arguments): `max_steps`, `gradient_accumulation_steps`, `weight_decay` (λ, replacing λ_ref) and
+        `batch_lr_scale` (which `L3GPTTrainer.create_optimizer` applies). Call it once, before the Trainer is built
+        (the Trainer's accelerator reads the accumulation); a DeepSpeed config given with `--deepspeed` has its
+        "auto" values filled again, as the Trainer does after a hyperparameter search.
+
+        Raises:
+            RuntimeError: when a plan was already applied (a second one would rescale λ again).
+        """
+        if getattr(self, "_compute_optimal_plan", None) is not None:
+            raise RuntimeError("apply_compute_optimal_plan: a plan is already applied to these arguments")
+        self._compute_optimal_plan = plan
+        self.max_steps = plan.max_steps
+        self.gradient_accumulation_steps = plan.gradient_accumulation_steps
+        self.weight_decay = plan.weight_decay
+        self.batch_lr_scale = plan.lr_scale
+        if getattr(self, "hf_deepspeed_config", None) is not None:
+            from accelerate.utils import DeepSpeedPlugin
+            from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+            self.hf_deepspeed_config = HfTrainerDeepSpeedConfig(self.deepspeed)
+            self.hf_deepspeed_config.trainer_config_process(self)
+            self.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=self.hf_deepspeed_config)
 
     def muon_learning_rates(self) -> dict[str, float]:
         """The group LRs given (`matrix_lr=...` etc.), for `hfl3.optim.create_muon_optimizer`."""
@@ -267,12 +328,19 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
 
     def create_optimizer(self, model=None):
         """`--optim muon`: `hfl3.optim.create_muon_optimizer` with the config's group LRs; otherwise the Trainer's own
-        optimizer (`--optim`), weight decay on >= 2-D weights only."""
-        if self.optimizer is not None or self.args.optim != MUON:
+        optimizer (`--optim`), weight decay on >= 2-D weights only. Every group's LR is multiplied by
+        `args.batch_lr_scale` (the compute-optimal dial's √(B/2^19); Muon: but the smear group's, as nanochat)."""
+        if self.optimizer is not None:
             return super().create_optimizer(model)
+        if self.args.optim != MUON:
+            super().create_optimizer(model)
+            for group in self.optimizer.param_groups:  # before create_scheduler records the groups' initial_lr
+                group["lr"] *= self.args.batch_lr_scale
+            return self.optimizer
         from hfl3.optim import create_muon_optimizer
 
         self.optimizer = create_muon_optimizer(model or self.model, self.args, **self.args.muon_learning_rates(),
+                                               batch_lr_scale=self.args.batch_lr_scale,
                                                num_training_steps=getattr(self, "_num_training_steps", None))
         return self.optimizer
 
