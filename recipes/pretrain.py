@@ -39,7 +39,6 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, set_seed
 from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
-from trl import TrlParser
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM, fp8, provenance
 from hfl3.callbacks import LossPlotCallback, SampleCallback, ThroughputCallback
@@ -50,6 +49,7 @@ from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
 from hfl3.trainers.compute_optimal import REFERENCE_DEPTH, ComputeOptimalPlan, compute_optimal_plan
 from hfl3.trainers.guards import exit_on_training_error
+from hfl3.trainers.inputs import TOKENIZER, TOKENIZER_FILES, RecipeParser, check_corpus, check_pretrained
 from hfl3.trainers.launch import add_config_argument, check_world_size, parse_recipe_args
 from hfl3.trainers.outputs import prepare_output_dir, work_dir
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
@@ -123,10 +123,26 @@ class ModelArguments:
                                       **token_ids, **given)
 
 
-def make_parser() -> TrlParser:
+def make_parser() -> RecipeParser:
     """`TrlParser` over the script, model and training arguments, in that order so that `--help` lists the recipe's
-    own options first (after `--config`); it returns them in that order too."""
-    return add_config_argument(TrlParser((ScriptArguments, ModelArguments, PretrainConfig)))
+    own options first (after `--config`); it returns them in that order too, after `check_inputs`."""
+    return add_config_argument(RecipeParser((ScriptArguments, ModelArguments, PretrainConfig), check_inputs))
+
+
+def check_inputs(script_args: ScriptArguments, model_args: ModelArguments, training_args: PretrainConfig) -> None:
+    """Every path and name given, checked by the parser before any heavy work (`hfl3.trainers.inputs`): a bad one
+    is an argument error (one line, exit status 2). The output folder, resume checkpoint and push:
+    `prepare_output_dir`.
+
+    Raises:
+        ValueError, OSError: one line naming the argument, the value and what was expected.
+    """
+    prepare_output_dir(training_args)
+    check_corpus("dataset", script_args.dataset)
+    if script_args.eval_dataset:
+        check_corpus("eval_dataset", script_args.eval_dataset)
+    if script_args.tokenizer_name_or_path:
+        check_pretrained("tokenizer_name_or_path", script_args.tokenizer_name_or_path, TOKENIZER, TOKENIZER_FILES)
 
 
 def plan_run(model_args: ModelArguments, training_args: PretrainConfig, vocab_size: int) -> ComputeOptimalPlan:
