@@ -137,10 +137,11 @@ def check_inputs(script_args: ScriptArguments, model_args: ModelArguments, train
     Raises:
         ValueError, OSError: one line naming the argument, the value and what was expected.
     """
-    prepare_output_dir(training_args)
-    check_corpus("dataset", script_args.dataset)
-    if script_args.eval_dataset:
-        check_corpus("eval_dataset", script_args.eval_dataset)
+    if not script_args.dry_run:  # a dry run reads no data and leaves the output folder alone: nothing to check there
+        prepare_output_dir(training_args)
+        check_corpus("dataset", script_args.dataset)
+        if script_args.eval_dataset:
+            check_corpus("eval_dataset", script_args.eval_dataset)
     if script_args.tokenizer_name_or_path:
         check_pretrained("tokenizer_name_or_path", script_args.tokenizer_name_or_path, TOKENIZER, TOKENIZER_FILES)
 
