@@ -67,7 +67,7 @@ def shown_path(path: str | Path | None) -> str | None:
     resolved = Path(path).resolve()
     if resolved.is_relative_to(REPO_ROOT):
         return str(resolved.relative_to(REPO_ROOT))
-    return str(Path(*resolved.parts[-2:])) if len(resolved.parts) > 2 else str(resolved)
+    return str(Path(*resolved.parts[1:][-2:]))
 
 
 def in_fresh_process(function, *arguments, env: dict[str, str] | None = None):

@@ -56,7 +56,8 @@ def render_markdown(results: dict) -> str:
     for index, (name, entry) in enumerate(results["sections"].items(), 1):
         title = SECTIONS[name].title if name in SECTIONS else name
         status = entry["status"]
-        timing = (f", {entry['seconds']:.0f} s of a {entry['share_seconds']:.0f} s share"
+        cpu = f" ({entry['cpu_seconds']:.0f} s CPU)" if "cpu_seconds" in entry else ""
+        timing = (f", {entry['seconds']:.0f} s{cpu} of a {entry['share_seconds']:.0f} s share"
                   if entry.get("share_seconds") else "")
         lines += [f"## {index}. `{name}`: {title} ({status}{timing})", ""]
         if entry.get("error"):

@@ -36,6 +36,7 @@ import json
 import multiprocessing
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -197,7 +198,7 @@ def run_section(name: str, profile: Profile, share_seconds: float, scratch: Path
     partial.unlink(missing_ok=True)  # what an earlier run left must not pass for this one's
     process = multiprocessing.get_context(common.START_METHOD).Process(
         target=_section_process, args=(name, profile, str(partial)))
-    started = time.perf_counter()
+    started, children = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     process.start()
     try:
         process.join(share_seconds)
@@ -206,6 +207,8 @@ def run_section(name: str, profile: Profile, share_seconds: float, scratch: Path
             os.killpg(process.pid, signal.SIGKILL)
             process.join()
     seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the section's processes, once they have ended
+    cpu_seconds = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
     entry = json.loads(partial.read_text()) if partial.exists() else {"rows": [], "details": None}
     if seconds >= share_seconds and entry.get("status") not in ("done", "failed"):
         entry |= {"status": "overran", "error": f"stopped after its share of {share_seconds:.0f} s"}
@@ -214,7 +217,7 @@ def run_section(name: str, profile: Profile, share_seconds: float, scratch: Path
                                                "(killed? out of memory?) before reporting"}
     if not profile.gpu:  # goals are about GPU speed: a CPU run checks the plumbing and judges nothing
         entry["rows"] = [row | {"passed": None} for row in entry["rows"]]
-    return entry | {"seconds": round(seconds, 1), "share_seconds": share_seconds}
+    return entry | {"seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1), "share_seconds": share_seconds}
 
 
 # ---- the run -------------------------------------------------------------------------------------------------------
@@ -267,8 +270,9 @@ def run(args: argparse.Namespace) -> dict:
             entry = run_section(section, profile, min(share, left), scratch)
         results["sections"][section] = entry | {"run": stamp}
         write_results(out, results)
-        print(f"gpu_suite: {section}: {entry['status']} in {entry['seconds']:.0f} s"
-              + (f" ({entry['error']})" if entry.get("error") else ""), flush=True)
+        cpu = f" ({entry['cpu_seconds']:.0f} s of CPU time)" if "cpu_seconds" in entry else ""
+        print(f"gpu_suite: {section}: {entry['status']} in {entry['seconds']:.0f} s{cpu}"
+              + (f": {entry['error']}" if entry.get("error") else ""), flush=True)
     print(render_markdown(results))
     print(f"gpu_suite: {time.perf_counter() - started:.0f} s; wrote {out} and {out.with_suffix('.md')}", flush=True)
     return results
