@@ -88,6 +88,35 @@ def test_l3_fork_checkpoint_converts_to_equal_logits(tmp_path, tokenizer_dir, sp
         assert (normed(ids).logits[..., :VOCAB] - reference).abs().max() > 100 * TOLERANCE  # the guard
 
 
+REMOTE_SCRIPT = """
+import json
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+folder = sys.argv[1]
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).double().eval()
+assert "hfl3" not in type(model).__module__, type(model).__module__
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+ids = torch.load(folder + "/ids.pt")
+with torch.no_grad():
+    torch.save(model(ids).logits, folder + "/remote_logits.pt")
+chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+json.dump(tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False), open(folder + "/chat.json", "w"))
+"""
+
+
+def test_converted_folder_loads_as_remote_code_without_hfl3(tmp_path, tokenizer_dir, ranks, run_without_hfl3):
+    folder, weights, _ = converted(tmp_path, tokenizer_dir, FORK)  # its l3_mix_input lives in the shipped code
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(9))
+    torch.save(ids, folder / "ids.pt")
+    result = run_without_hfl3(REMOTE_SCRIPT, folder, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logits = torch.load(folder / "remote_logits.pt")[..., :VOCAB]
+    torch.testing.assert_close(logits, forward(weights, FORK, ids), rtol=TOLERANCE, atol=TOLERANCE)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert json.loads((folder / "chat.json").read_text()) == render_conversation(chat, ranks)[0]
+
+
 def test_greedy_generate_follows_nanochat(tmp_path, tokenizer_dir):
     folder, weights, _ = converted(tmp_path, tokenizer_dir, MASTER, seed=3)
     model = AutoModelForCausalLM.from_pretrained(folder).double().eval()

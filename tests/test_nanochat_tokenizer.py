@@ -50,7 +50,7 @@ def test_ids_equal_tiktoken_on_gutenberg(tokenizer, ranks, assets):
     novels = sorted((assets / "text" / "gutenberg").glob("*.txt"))
     texts = [path.read_text(encoding="utf-8")[:40_000] for path in novels]
     texts.append(EDGE_TEXT)
-    assert len(texts) == 10
+    assert len(novels) >= 2  # the guard: real novels were found
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert ids == tiktoken_encode(text, ranks), text[:60]
@@ -112,6 +112,10 @@ def test_tokenizer_pickle_never_runs_code(tmp_path, tokenizer_dir):
         load_nanochat_encoding(tmp_path / "by_name")
     with pytest.raises(FileNotFoundError, match="tokenizer folder"):
         load_nanochat_encoding(tmp_path)
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "tokenizer.pkl").write_bytes((tokenizer_dir / "tokenizer.pkl").read_bytes()[:500])
+    with pytest.raises(pickle.UnpicklingError, match="tokenizer.pkl: pickle data was truncated"):
+        load_nanochat_encoding(tmp_path / "cut")
     assert load_nanochat_encoding(tokenizer_dir).pat_str == SPLIT_PATTERN  # the guard: the real pickle loads
 
 

@@ -141,7 +141,12 @@ def load_nanochat_encoding(tokenizer_dir: str | os.PathLike) -> NanochatEncoding
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass nanochat's tokenizer folder (NANOCHAT_BASE_DIR/tokenizer)")
     with open(path, "rb") as f:
-        loaded = _TokenizerUnpickler(f).load()
+        try:
+            loaded = _TokenizerUnpickler(f).load()
+        except pickle.UnpicklingError as error:
+            raise pickle.UnpicklingError(f"{path}: {error}") from None
+        except (EOFError, AttributeError, IndexError, TypeError, ValueError) as error:  # truncated or not a pickle
+            raise ValueError(f"{path}: not a readable pickle ({type(error).__name__}: {error})") from None
     state = loaded.state if isinstance(loaded, _EncodingState) else None
     if isinstance(state, str):
         raise ValueError(f"{path} names the registered tiktoken encoding {state!r} instead of holding its ranks; "
