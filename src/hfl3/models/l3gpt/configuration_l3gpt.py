@@ -83,6 +83,9 @@ class L3GPTConfig(PreTrainedConfig):
         l3_d_up (`int`, *optional*): width of the L3 up-projection; `None` means `4 * hidden_size` (paper: 4096).
         l3_tie_kv (`bool`, defaults to `True`): use one table for keys and values (paper: no quality cost, half the
             memory). Table rows have width `hidden_size` in both cases.
+        l3_mix_input (`str`, defaults to `"normed"`): the second input of `W_mix`: `"normed"` = Norm(h), the vector
+            the lookup scores with; `"residual"` = h itself, as nanochat's L3 fork (PR #559, b7629ef) concatenates
+            (its converted checkpoints need it).
     """
 
     model_type = "l3gpt"
@@ -117,6 +120,7 @@ class L3GPTConfig(PreTrainedConfig):
     l3_k_max: int = 64
     l3_d_up: int | None = None
     l3_tie_kv: bool = True
+    l3_mix_input: str = "normed"
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -171,6 +175,8 @@ class L3GPTConfig(PreTrainedConfig):
             channels = getattr(self, field)
             if used and not 1 <= channels <= self.hidden_size:
                 raise ValueError(f"{field}={channels} must be in 1..hidden_size={self.hidden_size}")
+        if self.l3_mix_input not in ("normed", "residual"):
+            raise ValueError(f"l3_mix_input={self.l3_mix_input!r} must be 'normed' or 'residual'")
         if self.l3_k_max < 1:
             raise ValueError(f"l3_k_max={self.l3_k_max} must be >= 1")
         if self.l3_after_layers:

@@ -260,7 +260,8 @@ class _PairScores(torch.autograd.Function):
 class LargeLookupLayer(GradientCheckpointingLayer):
     """Large Lookup Layer (arXiv 2601.21461, §3.1), added to the residual stream after a decoder layer:
 
-        h ← h + W_mix [ Norm(W_up(V_tᵀ softmax(K_t x / √C))) ; x ],   x = Norm(h)
+        h ← h + W_mix [ Norm(W_up(V_tᵀ softmax(K_t x / √C))) ; x ],   x = Norm(h)  (h itself in W_mix's input when
+        `config.l3_mix_input == "residual"`)
 
     where token t (static routing by id) owns the rows `bounds[t]:bounds[t+1]` of the key table K and value
     table V (the same table when `l3_tie_kv`). Softmax runs over the token's own rows only.
@@ -288,6 +289,7 @@ class LargeLookupLayer(GradientCheckpointingLayer):
         mix_proj = nn.Linear(config.l3_d_up + config.hidden_size, config.hidden_size, bias=False)
         self.mix_proj = with_init(mix_proj, "zeros")
         self.norm = L3GPTRMSNorm(config.rms_norm_eps)
+        self.mix_residual = config.l3_mix_input == "residual"
 
     @torch.compiler.disable
     def lookup(self, x: torch.Tensor, routing: L3Routing) -> torch.Tensor:
@@ -318,7 +320,8 @@ class LargeLookupLayer(GradientCheckpointingLayer):
         """`hidden_states` `(batch_size, seq_len, hidden_size)` → same shape, with the layer's output added."""
         x = self.norm(hidden_states).reshape(-1, hidden_states.size(-1))  # (N, C)
         looked_up = self.norm(self.up_proj(self.lookup(x, routing)))  # (N, d_up)
-        mixed = self.mix_proj(torch.cat([looked_up, x], dim=-1))  # (N, C)
+        mixed_input = hidden_states.reshape(-1, hidden_states.size(-1)) if self.mix_residual else x  # (N, C)
+        mixed = self.mix_proj(torch.cat([looked_up, mixed_input], dim=-1))  # (N, C)
         return hidden_states + mixed.view_as(hidden_states)
 
 
