@@ -52,8 +52,9 @@ import torch
 from transformers import HfArgumentParser, TrainerCallback, set_seed
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.callbacks import l3_lookup_flops_per_token, flops_per_token
-from hfl3.data import text
+from hfl3.callbacks import flops_per_token
+from l3_flops import l3_lookup_flops_per_token
+import text_corpus as text
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES
 from hfl3.provenance import write_json_atomic

@@ -41,7 +41,7 @@ from transformers.utils import logging as hf_logging
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data.sft import split_indices
-from hfl3.data.text import chunk_documents, load_corpus, pack_best_fit, tokenize_documents
+from text_corpus import chunk_documents, load_corpus, pack_best_fit, tokenize_documents
 from hfl3.models.l3gpt.allocation import lzw_allocation
 from hfl3.optim import MuonAdamW, create_muon_optimizer, param_groups_by_kind
 from hfl3.tokenization import token_bytes, train_tokenizer

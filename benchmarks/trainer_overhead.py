@@ -38,7 +38,7 @@ from transformers import HfArgumentParser, TrainerCallback, get_scheduler, set_s
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.callbacks import LossPlotCallback, ThroughputCallback, flops_per_token
-from hfl3.data import text
+import text_corpus as text
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.provenance import write_json_atomic
 from hfl3.tokenization import train_tokenizer
@@ -117,7 +117,7 @@ def build_model(args: OverheadArguments, tokenizer, allocation_sample, seed: int
 
 def plain_loop(model, training_args: PretrainConfig, dataset, collator):
     """The plain PyTorch equivalent of the Trainer's step; a generator that performs one step per `next()`."""
-    if training_args.optim == "muon":
+    if training_args.use_muon:
         from hfl3.optim import create_muon_optimizer
 
         optimizer = create_muon_optimizer(model, training_args, num_training_steps=training_args.max_steps)

@@ -172,7 +172,8 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
     import datasets
 
     from hfl3 import L3GPTConfig, L3GPTForCausalLM, fp8
-    from hfl3.callbacks import LossPlotCallback, ThroughputCallback, flops_per_token, l3_lookup_flops_per_token
+    from hfl3.callbacks import LossPlotCallback, ThroughputCallback, flops_per_token
+    from l3_flops import l3_lookup_flops_per_token
     from hfl3.models.l3gpt import lzw_allocation
     from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES
     from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig

@@ -167,7 +167,7 @@ def open_data(script_args: ScriptArguments, seed: int) -> tuple[DocumentSource, 
     split = None if held_out else DocumentSplit(script_args.val_fraction, seed)
     return (DocumentSource(corpus, split, seed=seed),
             DocumentSource(held_out or corpus, split, validation=split is not None, seed=seed, shuffle_shards=False,
-                           passes=1))
+                           epochs=1))
 
 
 def prepare_tokenizer(script_args: ScriptArguments, training_args: PretrainConfig, documents: DocumentSource):

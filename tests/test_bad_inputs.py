@@ -403,19 +403,19 @@ def test_repeated_documents_are_dropped_per_shard_and_resume_exactly(tmp_path, s
     documents = unique[:30] + unique[5:12] + unique[30:] + unique[:3]  # 10 repeats inside the one shard
     (tmp_path / "book.txt").write_text("\n\n".join(documents))
     source = streaming.DocumentSource(sources.open_corpus(str(tmp_path / "book.txt")), read_batch=4,
-                                      shuffle_shards=False, passes=2)
+                                      shuffle_shards=False, epochs=2)
     batches = list(source.batches())
-    assert [t for texts, _, _ in batches for t in texts] == unique + unique  # every pass drops the same repeats
+    assert [t for texts, _, _ in batches for t in texts] == unique + unique  # every epoch drops the same repeats
     assert sum(skipped["duplicates"] for _, skipped, _ in batches) == 2 * 10
     for k in (3, 9, 14):  # resume mid-shard after batch k: the repeats before it are remembered by replaying
         assert list(source.batches(position=batches[k][2])) == batches[k + 1:]
-    kept_all = streaming.DocumentSource(source.corpus, read_batch=4, shuffle_shards=False, passes=1, deduplicate=False)
+    kept_all = streaming.DocumentSource(source.corpus, read_batch=4, shuffle_shards=False, epochs=1, deduplicate=False)
     assert [t for texts, _, _ in kept_all.batches() for t in texts] == documents
 
 
 def test_the_stream_counts_repeats_and_its_fingerprint_names_the_filter(tmp_path, shakespeare_paragraphs, tokenizer):
     (tmp_path / "book.txt").write_text("\n\n".join(shakespeare_paragraphs[:50] * 2))
-    source = streaming.DocumentSource(sources.open_corpus(str(tmp_path / "book.txt")), read_batch=8, passes=1)
+    source = streaming.DocumentSource(sources.open_corpus(str(tmp_path / "book.txt")), read_batch=8, epochs=1)
     packed = streaming.PackedStream(source, tokenizer, max_seq_len=64, shuffle_buffer=0)
     _, _, counts = packed.materialize(10_000)
     assert counts == {"documents": 50, "held_out": 0, "duplicates": 50}

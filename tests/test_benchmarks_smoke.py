@@ -13,18 +13,20 @@ import psutil
 import pytest
 
 from hfl3 import L3GPTConfig
-from hfl3.callbacks import flops_per_token, l3_lookup_flops_per_token
+from hfl3.callbacks import flops_per_token
 from hfl3.tokenization import train_tokenizer
 
 
 @pytest.fixture(scope="module")
 def bench(repo_root):
     sys.path.insert(0, str(repo_root / "benchmarks"))
+    import l3_flops
     import l3_vs_dense
+    import text_corpus
     import trainer_overhead
     import vs_nanochat
 
-    yield l3_vs_dense, trainer_overhead, vs_nanochat
+    yield l3_vs_dense, trainer_overhead, vs_nanochat, l3_flops, text_corpus
     sys.path.remove(str(repo_root / "benchmarks"))
 
 
@@ -40,7 +42,8 @@ def suite(repo_root):
     sys.path.remove(str(repo_root / "benchmarks"))
 
 
-def test_l3_lookup_flops_count_scores_and_weighted_sum():
+def test_l3_lookup_flops_count_scores_and_weighted_sum(bench):
+    l3_lookup_flops_per_token = bench[3].l3_lookup_flops_per_token
     config = L3GPTConfig(vocab_size=512, hidden_size=64, num_attention_heads=1, num_hidden_layers=2,
                          l3_after_layers=[0, 1])
     # per layer: (2·d·C scores + 2·d·C weighted sum) forward, ×3 with backward; two L3 layers
@@ -49,13 +52,19 @@ def test_l3_lookup_flops_count_scores_and_weighted_sum():
     assert l3_lookup_flops_per_token(dense, 5.0) == 0
 
 
+def test_in_memory_corpus_keeps_files_whole(bench, assets):
+    corpus, opened = bench[4].load_corpus(str(assets / "text" / "tinyshakespeare.txt"))
+    assert len(corpus) == 1 and corpus["text"][0] == (assets / "text" / "tinyshakespeare.txt").read_text()
+    assert opened.files[0].name == "tinyshakespeare.txt"
+
+
 def test_widened_dense_model_matches_l3_flops(bench, assets):
     l3_vs_dense = bench[0]
     text = (assets / "text" / "tinyshakespeare.txt").read_text()[:200_000]
     tokenizer = train_tokenizer([text], 2048)
     args = l3_vs_dense.BenchmarkArguments()
     l3_config = l3_vs_dense.make_config(args, tokenizer, with_l3=True)
-    target = flops_per_token(l3_config, args.seq_len) + l3_lookup_flops_per_token(l3_config, 20.0)
+    target = flops_per_token(l3_config, args.seq_len) + bench[3].l3_lookup_flops_per_token(l3_config, 20.0)
     hidden = l3_vs_dense.widened_hidden_size(args, tokenizer, target)
     wide = l3_vs_dense.make_config(args, tokenizer, with_l3=False, hidden_size=hidden)
     assert hidden > l3_config.hidden_size and not wide.l3_after_layers

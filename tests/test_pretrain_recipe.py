@@ -160,15 +160,20 @@ def test_adamw_decays_only_matrices(tmp_path, stream):
 
 
 def test_optim_selects_the_optimizer_and_muon_takes_the_group_lrs(tmp_path, stream, pretrain_recipe):
-    """`--optim muon` (the Trainer's own flag) builds MuonAdamW with the `*_lr` fields; any other `--optim` the
-    Trainer's optimizer, decaying only matrices."""
+    """`--optim muon` (the Trainer's own flag) builds MuonAdamW with the `*_lr` fields, recorded as `use_muon` beside
+    the `optim` that transformers validated; any other `--optim` the Trainer's optimizer, decaying only matrices."""
     from hfl3.optim import MuonAdamW
     from hfl3.trainers.launch import parse_recipe_args
 
     _, _, args = parse_recipe_args(pretrain_recipe.make_parser(), [
         "--output_dir", str(tmp_path), "--eval_strategy", "no", "--optim", "muon", "--matrix_lr", "0.05",
         "--embedding_lr", "0.1", "--l3_table_lr", "0.2"])
-    assert args.optim == "muon" and args.to_dict()["optim"] == "muon"
+    assert args.use_muon and args.optim == "adamw_torch"
+    assert {key: args.to_dict()[key] for key in ("optim", "use_muon", "matrix_lr")} == {
+        "optim": "adamw_torch", "use_muon": True, "matrix_lr": 0.05}
+    assert PretrainConfig(**{**args.to_dict(), "hub_token": None}).use_muon  # the record rebuilds the same arguments
+    with pytest.raises(ValueError, match="use_muon=True with optim=sgd"):
+        PretrainConfig(output_dir=str(tmp_path), eval_strategy="no", optim="sgd", use_muon=True)
     tokenizer = stream.tokenizer
     model = L3GPTForCausalLM(L3GPTConfig.from_depth(2, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
                                                     max_position_embeddings=64, l3_after_layers=[0], l3_k_max=8))

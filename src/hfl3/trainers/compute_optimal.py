@@ -124,7 +124,7 @@ class ComputeOptimalPlan:
         sized_by_dial: False for a run sized by hand (`max_steps` given, no `total_batch_size`): nothing rescaled.
         lr_scale: √(B / B_ref) when the dial sized the run, else 1 (the LRs as given).
         reference_weight_decay: λ_ref (`--weight_decay`); `weight_decay`: λ.
-        learning_rates: the optimizer's group LRs after scaling (`--optim muon`: per `MuonAdamW` group; else
+        learning_rates: the optimizer's group LRs after scaling (`use_muon`: per `MuonAdamW` group; else
             `learning_rate`).
     """
 
@@ -210,7 +210,7 @@ def compute_optimal_plan(config, reference_config, args, world_size: int | None 
         config: the `L3GPTConfig` to train.
         reference_config: the same architecture at depth 12 without L3 layers (nanochat's `build_model_meta(12)`).
         args: a `PretrainConfig` (`max_steps`, `target_flops`, `target_param_data_ratio`, `total_batch_size`,
-            `per_device_train_batch_size`, `max_length`, `gradient_accumulation_steps`, `weight_decay`, `optim` and
+            `per_device_train_batch_size`, `max_length`, `gradient_accumulation_steps`, `weight_decay`, `use_muon` and
             the `*_lr` fields).
         world_size: processes (default `args.world_size`).
 
@@ -266,8 +266,8 @@ def compute_optimal_plan(config, reference_config, args, world_size: int | None 
     lr_scale = math.sqrt(total_batch_size / REFERENCE_TOTAL_BATCH_SIZE) if sized_by_dial else 1.0
     weight_decay = args.weight_decay * lr_scale * (reference_tokens / target_tokens) if sized_by_dial else \
         args.weight_decay
-    if args.optim == "muon":
-        groups = param_groups_by_kind(model, **args.muon_learning_rates(), batch_lr_scale=lr_scale)
+    if args.use_muon:
+        groups = param_groups_by_kind(model, args, batch_lr_scale=lr_scale)
         learning_rates = {group["name"]: group["lr"] for group in groups}
     else:
         learning_rates = {"learning_rate": args.learning_rate * lr_scale}
