@@ -14,6 +14,7 @@ from transformers import EvalPrediction, Trainer, TrainingArguments
 from hfl3 import fp8
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DATA_STATE_KEY, PackedStream, StreamBatch, StreamProgress, stream_dataloader
+from hfl3.evaluate.callback import check_core_arguments
 from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
 from hfl3.trainers.outputs import L3GPTOutputs, resolve_checkpoint
 
@@ -37,8 +38,10 @@ class PretrainConfig(TrainingArguments):
 
     Added fields: `max_length` (packed row length, as TRL spells it; also the model's `max_position_embeddings`),
     `warmdown_ratio`, `final_lr_frac`, `attend_across_documents`, `fp8`, `overwrite_output_dir` (absent from
-    transformers 5), and the Muon group LRs `matrix_lr`, `embedding_lr`, `unembedding_lr`, `scalar_lr`,
-    `l3_table_lr`, `value_embedding_lr`, `smear_lr`.
+    transformers 5), the Muon group LRs `matrix_lr`, `embedding_lr`, `unembedding_lr`, `scalar_lr`,
+    `l3_table_lr`, `value_embedding_lr`, `smear_lr`, and the CORE metric's `core_metric_every` (-1: off; nanochat's
+    default is 2000, but its bundle is a download), `core_metric_max_per_task` (500) and `core_bundle_dir`
+    (`hfl3.evaluate.CoreMetricCallback`).
 
     Defaults that differ from `TrainingArguments`: `optim="adamw_torch"`, `lr_scheduler_type="warmup_stable_decay"`
     (nanochat: warmup → constant → linear warmdown over the last `warmdown_ratio` of the steps to `final_lr_frac` ×
@@ -80,6 +83,15 @@ class PretrainConfig(TrainingArguments):
                                                                      "(default: embedding_lr / 2, scaled)"})
     smear_lr: float | None = field(default=None, metadata={"help": "--optim muon: smear gate / backout LR (default "
                                                            "0.2)"})
+    # The CORE metric during training (nanochat base_train.py --core-metric-every / --core-metric-max-per-task;
+    # hfl3.evaluate): off by default, since its bundle is a download
+    core_metric_every: int = field(default=-1, metadata={"help": "CORE metric every N optimizer steps and at the end "
+                                                         "of training (-1: off)"})
+    core_metric_max_per_task: int = field(default=500, metadata={"help": "CORE items per task (nanochat's seeded "
+                                                                 "subsample; -1: all)"})
+    core_bundle_dir: str | None = field(default=None, metadata={"help": "nanochat's eval_bundle folder (core.yaml, "
+                                                                "eval_data/, eval_meta_data.csv); default: downloaded "
+                                                                "once into the Hugging Face cache"})
     lr_scheduler_type: str = field(default="warmup_stable_decay", metadata={"help": "see TrainingArguments"})
     learning_rate: float = field(default=3e-3, metadata={"help": "peak LR (--optim muon: not used, see *_lr)"})
     weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay on >=2-D weights"})
@@ -95,6 +107,7 @@ class PretrainConfig(TrainingArguments):
 
     def __post_init__(self):
         check_training_arguments(self)  # issue 15: refuse a zero/negative learning rate or max_steps 0
+        check_core_arguments(self)
         if self.fp8 not in (None, "tensorwise", "rowwise"):
             raise ValueError(f"fp8={self.fp8!r}; expected tensorwise, rowwise or unset")
         if not 0 <= self.warmdown_ratio <= 1:
