@@ -20,6 +20,7 @@ import json
 import random
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -130,15 +131,20 @@ def compare(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     nanochat_model, nanochat_tokenizer = NanochatModel(model), NanochatTokenizer(tokenizer)
     bundle = load_core_bundle(args.core_bundle_dir, args.max_per_task)
-    print(f"{'task':<24} {'items':>5} {'nanochat':>9} {'hfl3':>9} {'items differing':>16} {'prompts differing':>18}")
-    total_differing = 0
+    print(f"{'task':<24} {'items':>5} {'nanochat':>9} {'hfl3':>9} {'items differing':>16} {'prompts differing':>18} "
+          f"{'nanochat s':>10} {'hfl3 s':>7}")
+    total_differing, seconds = 0, [0.0, 0.0]
     for task in bundle.tasks:
         meta = {"task_type": task.task_type, "num_fewshot": task.num_fewshot,
                 "continuation_delimiter": task.continuation_delimiter}
+        started = time.perf_counter()
         reference = core_eval.evaluate_task(nanochat_model, nanochat_tokenizer, task.items, "cpu", meta)
+        middle = time.perf_counter()
+        ours = evaluate_task(model, tokenizer, task)
+        timing = (middle - started, time.perf_counter() - middle)
+        seconds = [total + part for total, part in zip(seconds, timing)]
         per_item = [bool(core_eval.evaluate_example(i, nanochat_model, nanochat_tokenizer, task.items, "cpu", meta))
                     for i in range(len(task.items))]
-        ours = evaluate_task(model, tokenizer, task)
         prompts_differing = sum(
             render_prompts(task.task_type, item, task.continuation_delimiter, shots) != renderers[task.task_type](
                 item, task.continuation_delimiter, shots)
@@ -146,8 +152,10 @@ def compare(args) -> None:
         differing = sum(a != b for a, b in zip(per_item, ours.correct))
         total_differing += differing + prompts_differing + (abs(reference - ours.accuracy) > 1e-6)
         print(f"{task.label:<24} {len(task.items):>5} {reference:>9.4f} {ours.accuracy:>9.4f} {differing:>16} "
-              f"{prompts_differing:>18}")
-    print("identical" if total_differing == 0 else f"{total_differing} differences")
+              f"{prompts_differing:>18} {timing[0]:>10.1f} {timing[1]:>7.1f}")
+    ratio = seconds[0] / seconds[1]
+    print("identical" if total_differing == 0 else f"{total_differing} differences",
+          f"| evaluate_task time, nanochat / hfl3: {seconds[0]:.1f} s / {seconds[1]:.1f} s = {ratio:.2f}")
 
 
 def main() -> None:
