@@ -35,6 +35,7 @@ from huggingface_hub import constants as hub_constants
 from transformers.trainer_pt_utils import nested_gather
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from hfl3.evaluate.core import core_eval_results
 from hfl3.provenance import ProvenanceMixin, portable, sha256_records, write_json_atomic
 from hfl3.trainers.inputs import is_hub_id
 
@@ -448,15 +449,20 @@ class L3GPTOutputs(OutputFolderMixin):
         results = metadata.get("results") or {}
         bpb = results.get("eval_bpb")
         start = results.get("initial_eval_bpb")
+        core = (metadata.get("evaluation") or {}).get("core")
         text = (f"L3GPT pretrained with hfl3 on `{portable(str(metadata.get('data', {}).get('source')))}`"
                 + (f": validation bpb {bpb:.4f}" if bpb is not None else "")
-                + (f" (from {start:.4f} at step 0)" if start is not None else "") + ".\n\n"
+                + (f" (from {start:.4f} at step 0)" if start is not None else "")
+                + (f"; CORE {core['core_metric']:.4f} over {len(core['results'])} tasks" if core else "") + ".\n\n"
                 f"```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
                 f"model = AutoModelForCausalLM.from_pretrained({usage_name(self)!r}, trust_remote_code=True)  "
                 f"# or `import hfl3` first\n"
                 "# AutoTokenizer reads config.json, whose auto_map names remote code: say so, or it asks [y/N]\n"
                 f"tokenizer = AutoTokenizer.from_pretrained({usage_name(self)!r}, trust_remote_code=True)\n```")
-        return {"title": "L3GPT (hfl3)", "extra_markdown": text, "tags": ("hfl3", "l3gpt")}
+        card = {"title": "L3GPT (hfl3)", "extra_markdown": text, "tags": ("hfl3", "l3gpt")}
+        if core:  # the model-index of the Hub's evaluation results
+            card.update(eval_results=core_eval_results(core), model_name=Path(usage_name(self)).name)
+        return card
 
 
 class SFTOutputs(OutputFolderMixin):
