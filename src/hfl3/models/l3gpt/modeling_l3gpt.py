@@ -21,6 +21,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.utils import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
 from .allocation import bounds_from_counts, uniform_allocation
@@ -595,6 +596,7 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
         """See [`L3GPTModel.set_l3_allocation`]."""
         self.model.set_l3_allocation(counts)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -615,6 +617,8 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
             logits_to_keep (`int` or `torch.Tensor`): compute logits only for the last N positions (0 = all).
             return_logits: in training mode with `labels`, also build the logits and take the loss from them (the
                 memory-heavy path of eval mode) instead of the fused/chunked loss.
+            return_dict (in `kwargs`, default `config.return_dict`): False returns `to_tuple()` of the output (its
+                fields that are not None, in order).
             num_items_in_batch (in `kwargs`): count of target tokens across gradient-accumulation steps.
             Other arguments: see [`L3GPTModel.forward`].
 
@@ -632,6 +636,7 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            return_dict=True,  # read by field below; `can_return_tuple` makes this model's own output a tuple
             **kwargs,
         )
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
