@@ -25,3 +25,74 @@ def test_return_dict_false_returns_the_outputs_as_a_tuple(where):
     torch.testing.assert_close(logits, expected.logits, rtol=0, atol=0)
     assert cache.get_seq_length() == 9
     torch.testing.assert_close(base[0], expected_base.last_hidden_state, rtol=0, atol=0)
+
+
+def test_resize_token_embeddings_grows_every_token_table_then_saves_reloads_and_trains(tmp_path):
+    """New tokens (a special token added for SFT) get value-embedding rows and one L3 row each; old tokens keep
+    theirs, so their logits are unchanged; the resized model saves, reloads to the same logits and trains."""
+    model = skewed_model(tiny_config(l3_tie_kv=False)).eval()
+    config, base = model.config, model.model
+    old_vocab, old_rows, old_counts = config.vocab_size, config.l3_n_emb, base.l3_counts().clone()
+    ids = torch.randint(0, old_vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+    model.resize_token_embeddings(old_vocab + 3)
+    assert config.vocab_size == old_vocab + 3 and config.l3_n_emb == old_rows + 3
+    assert torch.equal(base.l3_counts(), torch.cat([old_counts, torch.ones(3, dtype=torch.long)]))
+    layer = base.l3_layers["0"]
+    assert layer.key_table.weight.shape[0] == layer.value_table.weight.shape[0] == old_rows + 3
+    assert all(table.weight.shape[0] == old_vocab + 3 for table in base.value_embeddings.values())
+    assert model.lm_head.hfl3_init == ("normal", config.initializer_range)
+    with torch.no_grad():
+        after = model(ids).logits
+    torch.testing.assert_close(after[..., :old_vocab], before, rtol=0, atol=0)
+    new_ids = ids.clone()
+    new_ids[:, 3::4] = old_vocab + 1  # the new token, inside the sequences
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path).eval()
+    assert loaded.config.l3_n_emb == old_rows + 3 and torch.equal(loaded.model.l3_bounds, base.l3_bounds)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(new_ids).logits, model(new_ids).logits, rtol=0, atol=0)
+    loaded.train()
+    new_row = int(loaded.model.l3_bounds[old_vocab + 1])
+    rows_of_new_token = {
+        "embedding": lambda m: m.model.embed_tokens.weight[old_vocab + 1],
+        "value embedding": lambda m: m.model.value_embeddings["1"].weight[old_vocab + 1],
+        "L3 key": lambda m: m.model.l3_layers["0"].key_table.weight[new_row],
+        "L3 value": lambda m: m.model.l3_layers["0"].value_table.weight[new_row],
+    }
+    start = {name: row(loaded).detach().clone() for name, row in rows_of_new_token.items()}
+    optimizer = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = loaded(new_ids, labels=new_ids).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0]
+    unchanged = [name for name, row in rows_of_new_token.items() if torch.equal(row(loaded), start[name])]
+    assert not unchanged
+
+
+@pytest.mark.parametrize("mean_resizing", [True, False])
+def test_resize_token_embeddings_shrinks_and_pads_like_transformers(mean_resizing):
+    model = skewed_model(tiny_config())
+    config, base = model.config, model.model
+    counts, vocab = base.l3_counts().clone(), config.vocab_size
+    model.resize_token_embeddings(vocab - 10, mean_resizing=mean_resizing)
+    assert torch.equal(base.l3_counts(), counts[: vocab - 10]) and config.l3_n_emb == int(counts[: vocab - 10].sum())
+    model.resize_token_embeddings(vocab + 1, pad_to_multiple_of=64, mean_resizing=mean_resizing)
+    assert config.vocab_size == vocab + 64 and base.l3_bounds.shape == (vocab + 65,)
+    assert torch.equal(base.l3_counts()[vocab - 10 :], torch.ones(74, dtype=torch.long))
+    # added rows follow the tables' init scale: lm_head N(0, 0.001) (nanochat), not torch's default Linear init
+    assert model.lm_head.weight[vocab - 10 :].abs().max() < 0.01
+    dense = skewed_model(tiny_config(l3_after_layers=[]))
+    dense.resize_token_embeddings(vocab + 5)
+    assert dense.model.l3_bounds.shape == (vocab + 6,) and not dense.model.l3_bounds.any()
+
+
+def test_resize_token_embeddings_refuses_offloaded_tables():
+    model = skewed_model(tiny_config()).offload_l3_tables()
+    with pytest.raises(RuntimeError, match="resize the model before offloading"):
+        model.resize_token_embeddings(VOCAB + 64)

@@ -52,6 +52,20 @@ def with_init(module: nn.Module, scheme: str, scale: float = 0.0) -> nn.Module:
     return module
 
 
+def initialize(weight: torch.Tensor, scheme: tuple[str, float]) -> None:
+    """Fill `weight` (a parameter or rows of one) following a `with_init` scheme, through transformers' `init`
+    functions (which skip tensors that loading has already filled)."""
+    kind, scale = scheme
+    if kind == "uniform":
+        init.uniform_(weight, -scale, scale)
+    elif kind == "positive_uniform":
+        init.uniform_(weight, 0.0, scale)
+    elif kind == "normal":
+        init.normal_(weight, std=scale)
+    else:
+        init.zeros_(weight)
+
+
 def uniform_bound(config: L3GPTConfig) -> float:
     """nanochat's q/k/v init: uniform with std 1/√C, i.e. bound √3/√C (C = hidden_size)."""
     return math.sqrt(3.0 / config.hidden_size)
@@ -370,15 +384,7 @@ class L3GPTPreTrainedModel(PreTrainedModel):
         until an allocation is set. Per-module schemes come from `with_init` tags."""
         scheme = getattr(module, "hfl3_init", None)
         if scheme is not None:
-            kind, scale = scheme
-            if kind == "uniform":
-                init.uniform_(module.weight, -scale, scale)
-            elif kind == "positive_uniform":
-                init.uniform_(module.weight, 0.0, scale)
-            elif kind == "normal":
-                init.normal_(module.weight, std=scale)
-            else:
-                init.zeros_(module.weight)
+            initialize(module.weight, scheme)
         elif isinstance(module, L3GPTModel):
             depth = self.config.num_hidden_layers
             init.copy_(module.resid_lambdas, torch.linspace(1.15, 1.05, depth))
@@ -392,6 +398,47 @@ class L3GPTPreTrainedModel(PreTrainedModel):
             inv_freq, _ = module.rope_init_fn(module.config)
             init.copy_(module.inv_freq, inv_freq)
             init.copy_(module.original_inv_freq, inv_freq)
+
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> nn.Embedding:
+        """transformers' `resize_token_embeddings` (input embedding and output head, `config.vocab_size`), extended
+        to every table indexed by token id: the value-embedding tables get rows for the new tokens, and the L3
+        allocation gives each new token one row of its own (the fewest any token owns; no frequency data exists
+        for it), appended to the L3 tables, so `config.l3_n_emb` grows by the number of new tokens (removed tokens
+        give back their rows). Old tokens keep their rows, so their outputs are unchanged. New rows follow
+        `mean_resizing` as transformers' do: the old rows' mean and covariance, or else the table's own init.
+
+        Returns:
+            The input embedding (`nn.Embedding`), as transformers'.
+
+        Raises:
+            RuntimeError: if the L3 tables are offloaded (`offload_l3_tables`): resize before offloading.
+        """
+        base = self.base_model
+        if host_tables(base.l3_layers):
+            raise RuntimeError(
+                "resize_token_embeddings: the L3 tables are offloaded to CPU memory (offload_l3_tables / l3_offload);"
+                " resize the model before offloading its tables"
+            )
+        old_vocab_size = self.config.vocab_size
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        if self.config.vocab_size != old_vocab_size:
+            if not mean_resizing:
+                for module in (self.get_input_embeddings(), self.get_output_embeddings()):
+                    if module is not None and module.weight.shape[0] > old_vocab_size:
+                        initialize(module.weight[old_vocab_size:], module.hfl3_init)
+            base.resize_token_tables(old_vocab_size, mean_resizing)
+        return embeddings
+
+    def resized_table(self, table: nn.Embedding, num_rows: int, mean_resizing: bool) -> None:
+        """Resize `table` in place to `num_rows` rows with transformers' `_get_resized_embeddings` (ZeRO-3 aware);
+        added rows as described in `resize_token_embeddings`."""
+        old_rows, requires_grad = table.num_embeddings, table.weight.requires_grad
+        self._get_resized_embeddings(table, num_rows, mean_resizing=mean_resizing)
+        table.weight.requires_grad_(requires_grad)
+        if not mean_resizing and num_rows > old_rows:
+            initialize(table.weight[old_rows:], table.hfl3_init)
 
     def offload_l3_tables(self, mmap_checkpoint: str | os.PathLike | None = None):
         """Keep the L3 tables in CPU memory for inference; returns the model. Each forward fetches only the routed
@@ -463,6 +510,28 @@ class L3GPTModel(L3GPTPreTrainedModel):
                 f"allocation counts span [{int(counts.min())}, {int(counts.max())}], expected [1, {config.l3_k_max}]"
             )
         self.l3_bounds.copy_(bounds_from_counts(counts).to(self.l3_bounds.device))
+
+    @torch.no_grad()
+    def resize_token_tables(self, old_vocab_size: int, mean_resizing: bool = True) -> None:
+        """Resize the tables indexed by token id beside `embed_tokens` (value embeddings, L3 allocation and tables)
+        from `old_vocab_size` tokens to `config.vocab_size`; called by `resize_token_embeddings`, which has resized
+        `embed_tokens` and set the config. Updates `config.l3_n_emb` when there are L3 layers."""
+        vocab_size = self.config.vocab_size
+        for table in self.value_embeddings.values():
+            self.resized_table(table, vocab_size, mean_resizing)
+        counts = self.l3_counts()  # (old_vocab_size,)
+        if vocab_size < old_vocab_size:
+            counts = counts[:vocab_size]
+        else:  # without L3 layers every token owns zero rows
+            counts = torch.cat([counts, counts.new_full((vocab_size - old_vocab_size,), int(bool(self.l3_layers)))])
+        self.l3_bounds = bounds_from_counts(counts)
+        if not self.l3_layers:
+            return
+        self.config.l3_n_emb = int(self.l3_bounds[-1])
+        for layer in self.l3_layers.values():
+            for table in (layer.key_table, layer.value_table):
+                if table is not None:
+                    self.resized_table(table, self.config.l3_n_emb, mean_resizing)
 
     def l3_counts(self) -> torch.LongTensor:
         """Rows owned by each token, `(vocab_size,)`."""
@@ -595,6 +664,13 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
     def set_l3_allocation(self, counts: torch.Tensor) -> None:
         """See [`L3GPTModel.set_l3_allocation`]."""
         self.model.set_l3_allocation(counts)
+
+    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        """Install `new_embeddings` as `lm_head`; a head without an init scheme (the one `resize_token_embeddings`
+        builds) keeps the current head's, so that `_init_weights` still knows how to initialise it."""
+        if not hasattr(new_embeddings, "hfl3_init"):
+            new_embeddings.hfl3_init = self.lm_head.hfl3_init
+        self.lm_head = new_embeddings
 
     @can_return_tuple
     def forward(
