@@ -96,3 +96,46 @@ def test_resize_token_embeddings_refuses_offloaded_tables():
     model = skewed_model(tiny_config()).offload_l3_tables()
     with pytest.raises(RuntimeError, match="resize the model before offloading"):
         model.resize_token_embeddings(VOCAB + 64)
+
+
+def test_set_attn_implementation_switches_the_attention_that_runs():
+    """`set_attn_implementation` switches between transformers' attention functions (SDPA ↔ eager): eager returns
+    its attention weights and gives SDPA's logits, through sliding-window and full layers, with padding."""
+    model = skewed_model(tiny_config()).eval()
+    assert model.config._attn_implementation == "sdpa"
+    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(0))  # longer than the window (8)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        sdpa = model(ids, attention_mask=mask, output_attentions=True)
+        model.set_attn_implementation("eager")
+        eager = model(ids, attention_mask=mask, output_attentions=True)
+        model.set_attn_implementation("sdpa")
+        back = model(ids, attention_mask=mask, output_attentions=True)
+    assert model.config._attn_implementation == "sdpa"
+    assert not [weights for weights in sdpa.attentions + back.attentions if weights is not None]  # SDPA has none
+    positions = torch.arange(30)
+    in_window = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - 8)
+    sliding, full = eager.attentions  # (batch, heads, query, key); padded queries (row 1, first 4) are not read
+    assert sliding.shape == (2, 4, 30, 30) and not sliding[0][:, ~in_window].any()
+    assert not sliding[1, :, 4:][:, ~in_window[4:]].any() and not full[1, :, 4:, :4].any()
+    # float32 logits of attention computed in two orders (softmax(QKᵀ)V vs SDPA's kernel): a few ulp of the
+    # O(1)-sized activations, amplified by two layers; 1e-5 is ~100 float32 ulp at magnitude 1
+    torch.testing.assert_close(eager.logits[mask.bool()], sdpa.logits[mask.bool()], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(back.logits, sdpa.logits, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["sdpa", "flash_attention_2"])
+def test_eager_sdpa_and_flash_attention_agree_on_cuda(implementation):
+    pytest.importorskip("flash_attn") if implementation == "flash_attention_2" else None
+    model = skewed_model(tiny_config()).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, VOCAB, (2, 30), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        eager = model(ids).logits.float()
+        model.set_attn_implementation(implementation)
+        other = model(ids).logits.float()
+    # bfloat16 keeps 8 mantissa bits: one rounding of an O(1) activation is 2^-8 ≈ 4e-3 relative; two layers of
+    # attention and MLP compound a few of them, so 3e-2 absolute on logits of magnitude ≲ 15 (the softcap)
+    torch.testing.assert_close(other, eager, rtol=3e-2, atol=3e-2)

@@ -123,9 +123,9 @@ class L3GPTAttention(nn.Module):
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        attention_interface = eager_attention_forward
-        if self.config._attn_implementation != "eager":
-            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         attn_output, attn_weights = attention_interface(
             self,
             query,
