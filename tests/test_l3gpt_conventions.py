@@ -139,3 +139,48 @@ def test_eager_sdpa_and_flash_attention_agree_on_cuda(implementation):
     # bfloat16 keeps 8 mantissa bits: one rounding of an O(1) activation is 2^-8 ≈ 4e-3 relative; two layers of
     # attention and MLP compound a few of them, so 3e-2 absolute on logits of magnitude ≲ 15 (the softcap)
     torch.testing.assert_close(other, eager, rtol=3e-2, atol=3e-2)
+
+
+def decoding_model(l3: bool) -> torch.nn.Module:
+    model = skewed_model(tiny_config(l3_after_layers=[0] if l3 else [])).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)  # sharpen the logits so that no greedy choice is a near-tie
+    return model
+
+
+@pytest.mark.parametrize("l3", [False, True], ids=["dense", "l3"])
+def test_static_cache_gives_the_dynamic_caches_logits_with_sdpa(l3):
+    """A `StaticCache` holds the smear's state as a convolution state, so it stays compileable and transformers
+    builds the decoding masks: attention never reads the cache's empty slots (which shifted the logits by 1e-2 to
+    8e-2 from the first decoded token when the smear's extra layer made the cache non-compileable)."""
+    model = decoding_model(l3)
+    prompt = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    dynamic = model.generate(prompt, **kwargs)
+    static = model.generate(prompt, cache_implementation="static", **kwargs)
+    assert type(static.past_key_values).__name__ == "StaticCache" and static.past_key_values.is_compileable
+    assert torch.equal(static.sequences, dynamic.sequences)
+    # float32 logits (|logit| ≤ 15, the softcap) of the same tokens through two cache layouts: SDPA over the
+    # static cache's masked full length vs the dynamic cache's exact length sums in another order, a few float32
+    # ulp (1e-7 relative) of each activation; 1e-4 is far below the 1e-2 error of a mask that was dropped
+    torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("l3", [False], ids=["dense"])
+def test_compiled_static_cache_decoding_gives_the_dynamic_caches_tokens(l3):
+    """`generate` with a static cache compiles the decoding step (`torch.compile(fullgraph=True)`, as it does on
+    CUDA; `_compile_all_devices` asks for it on the CPU) and gives the dynamic cache's tokens and logits."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    model = decoding_model(l3)
+    prompt = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    dynamic = model.generate(prompt, **kwargs)
+    compile_config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    compile_config._compile_all_devices = True
+    compiled = model.generate(prompt, cache_implementation="static", compile_config=compile_config, **kwargs)
+    assert hasattr(model, "_compiled_call")  # the guard: decoding did go through torch.compile
+    assert torch.equal(compiled.sequences, dynamic.sequences)
+    # see test_static_cache_gives_the_dynamic_caches_logits_with_sdpa for the tolerance
+    torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(dynamic.logits), rtol=1e-4, atol=1e-4)

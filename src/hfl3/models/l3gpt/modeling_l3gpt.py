@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -170,11 +170,15 @@ class L3GPTValueEmbeddings(nn.ModuleDict):
 
 class L3GPTSmear(nn.Module):
     """nanochat's smear (a825e63): `x_t ← x_t + λ·σ(gate(x_t[:s]))·x_{t-1}` on the normed embeddings, skipped where
-    `position_ids` is 0 (see `L3GPTConfig.use_smear_gate`). During cached decoding the previous token's normed
-    embedding comes from the cache, which keeps one extra layer for it (index `num_hidden_layers`; keys
-    `(batch_size, 1, seen_tokens, hidden_size)`, zero-width values), so beam reordering, batch expansion and cropping
-    move it with the keys and values. `hfl3.optim.param_groups_by_kind` recognises this class (nanochat's smear
-    group)."""
+    `position_ids` is 0 (see `L3GPTConfig.use_smear_gate`). `hfl3.optim.param_groups_by_kind` recognises this class
+    (nanochat's smear group).
+
+    During cached decoding the previous token's normed embedding comes from the cache. The smear is a causal
+    convolution of width 2 over the embeddings, so its state is what transformers' caches keep for convolutions: a
+    `LinearAttentionLayer` (one conv state `(batch_size, hidden_size, 1)`, the last token's embedding) appended
+    after the attention layers, at index `num_hidden_layers`. It has a fixed shape, so a `StaticCache` stays
+    compileable (its masks are built and `torch.compile` of the decoding step works), and the cache moves it with
+    the keys and values on beam reordering, reset and (with past recording, as assisted decoding does) cropping."""
 
     def __init__(self, config: L3GPTConfig):
         super().__init__()
@@ -183,15 +187,31 @@ class L3GPTSmear(nn.Module):
         self.cache_layer_idx = config.num_hidden_layers
 
     def previous_embedding(self, embeds: torch.Tensor, past_key_values: Cache | None) -> torch.Tensor | None:
-        """Record `embeds` `(batch_size, seq_len, hidden_size)` in the cache; return the embedding of the token before
-        them `(batch_size, 1, hidden_size)`, or None when there is no cache or nothing before them."""
+        """Record `embeds` `(batch_size, seq_len, hidden_size)` in the cache's smear state; return the embedding of the
+        token before them `(batch_size, 1, hidden_size)`, or None when there is no cache or nothing before them.
+
+        Raises:
+            ValueError: if the cache's layer `num_hidden_layers` is not a convolution state (a cache built for
+                another model).
+        """
         if past_key_values is None:
             return None
-        while len(past_key_values.layers) <= self.cache_layer_idx:
-            past_key_values.layers.append(DynamicLayer())
-        keys, _ = past_key_values.update(embeds[:, None], embeds[:, None, :, :0], self.cache_layer_idx)
-        seen = keys.shape[2] - embeds.shape[1]
-        return keys[:, 0, seen - 1 : seen] if seen > 0 else None
+        layers, index = past_key_values.layers, self.cache_layer_idx
+        if len(layers) < index and past_key_values.layer_class_to_replicate is not None:  # a lazily filled cache
+            layers.extend(past_key_values.layer_class_to_replicate() for _ in range(index - len(layers)))
+        if len(layers) == index:
+            layers.append(LinearAttentionLayer())
+        if not isinstance(layers[index], LinearAttentionLayer):
+            raise ValueError(
+                f"past_key_values layer {index} is a {type(layers[index]).__name__}; L3GPT keeps the smear's previous "
+                f"token there (a LinearAttentionLayer after its {index} attention layers): pass a cache built for "
+                "this model (DynamicCache(config=model.config), StaticCache(config=model.config, ...)) or none"
+            )
+        has_previous = layers[index].has_previous_state[0]
+        states = past_key_values.update_conv_state(embeds.transpose(1, 2), index, conv_kernel_size=1)  # (B, C, ·)
+        if not has_previous:
+            return None
+        return states[:, :, -embeds.shape[1] - 1, None].transpose(1, 2)  # (B, 1, C): the token before `embeds`
 
     def forward(self, embeds, position_ids, previous=None):
         """`embeds` `(batch_size, seq_len, hidden_size)` → same shape; `position_ids` `(batch_size or 1, seq_len)`."""
