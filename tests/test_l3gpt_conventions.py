@@ -184,3 +184,73 @@ def test_compiled_static_cache_decoding_gives_the_dynamic_caches_tokens(l3):
     assert torch.equal(compiled.sequences, dynamic.sequences)
     # see test_static_cache_gives_the_dynamic_caches_logits_with_sdpa for the tolerance
     torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(dynamic.logits), rtol=1e-4, atol=1e-4)
+
+
+HEAD_DIM = 16
+ROPE_CASES = [  # (rope_type, its parameters beyond rope_type and rope_theta)
+    ("default", {}),
+    ("linear", {"factor": 4.0}),
+    ("dynamic", {"factor": 4.0}),
+    ("yarn", {"factor": 4.0, "original_max_position_embeddings": 32}),
+    ("longrope", {"factor": 2.0, "original_max_position_embeddings": 32, "short_factor": [1.0] * (HEAD_DIM // 2),
+                  "long_factor": torch.linspace(1.0, 6.0, HEAD_DIM // 2).tolist()}),
+    ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    ("proportional", {"partial_rotary_factor": 0.5}),
+]
+
+
+def test_rope_cases_cover_every_type_transformers_offers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    assert {name for name, _ in ROPE_CASES} == {"default", *ROPE_INIT_FUNCTIONS}
+
+
+@pytest.mark.parametrize("rope_type,parameters", ROPE_CASES, ids=[name for name, _ in ROPE_CASES])
+def test_rotary_embedding_equals_transformers_qwen3_for_every_rope_type(rope_type, parameters):
+    """cos and sin equal transformers' own rotary embedding (Qwen3's) for the same `rope_parameters`, over a short
+    input, one beyond `max_position_embeddings` (where the dynamic types rescale) and a short one again."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from hfl3.models.l3gpt.attention_utils import L3GPTRotaryEmbedding
+
+    rope_parameters = {"rope_type": rope_type, "rope_theta": 10000.0, **parameters}
+    config = tiny_config(max_position_embeddings=64, rope_parameters=dict(rope_parameters))
+    reference_config = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=HEAD_DIM, max_position_embeddings=64,
+                                   rope_parameters=dict(rope_parameters))
+    assert config.head_dim == HEAD_DIM
+    ours, reference = L3GPTRotaryEmbedding(config), Qwen3RotaryEmbedding(reference_config)
+    x = torch.ones(1, dtype=torch.float32)
+    for length in (10, 150, 10):
+        positions = torch.arange(length)[None]
+        for got, expected in zip(ours(x, positions), reference(x, positions)):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    default = L3GPTRotaryEmbedding(tiny_config(max_position_embeddings=64))
+    scaled = not torch.equal(ours(x, torch.arange(150)[None])[0], default(x, torch.arange(150)[None])[0])
+    assert scaled == (rope_type != "default")  # the guard: each type does change the embedding somewhere
+
+
+def test_dynamic_rope_changes_the_model_only_beyond_its_context():
+    torch.manual_seed(0)
+    default = skewed_model(tiny_config(max_position_embeddings=64)).eval()
+    dynamic = skewed_model(tiny_config(max_position_embeddings=64,
+                                       rope_parameters={"rope_type": "dynamic", "factor": 4.0})).eval()
+    dynamic.load_state_dict(default.state_dict())
+    short, long = torch.randint(0, VOCAB, (1, 20)), torch.randint(0, VOCAB, (1, 100))
+    with torch.no_grad():
+        torch.testing.assert_close(dynamic(short).logits, default(short).logits, rtol=0, atol=0)
+        assert not torch.allclose(dynamic(long).logits, default(long).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "rope_parameters,match",
+    [
+        ({"rope_type": "ntk-by-parts", "factor": 2.0}, "not a RoPE type of transformers"),
+        ({"rope_type": "dynamic"}, "Missing required keys.*factor"),
+        ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "rotates whole heads"),
+        ({"sliding_attention": {"rope_type": "default"}, "full_attention": {"rope_type": "default"}}, "per layer type"),
+    ],
+)
+def test_unsupported_rope_parameters_are_refused_naming_the_field(rope_parameters, match):
+    with pytest.raises(ValueError, match=f"rope_parameters.*{match}"):
+        tiny_config(rope_parameters=rope_parameters)
