@@ -166,7 +166,7 @@ def test_static_cache_gives_the_dynamic_caches_logits_with_sdpa(l3):
     torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("l3", [False], ids=["dense"])
+@pytest.mark.parametrize("l3", [False, True], ids=["dense", "l3"])
 def test_compiled_static_cache_decoding_gives_the_dynamic_caches_tokens(l3):
     """`generate` with a static cache compiles the decoding step (`torch.compile(fullgraph=True)`, as it does on
     CUDA; `_compile_all_devices` asks for it on the CPU) and gives the dynamic cache's tokens and logits."""
@@ -254,3 +254,31 @@ def test_dynamic_rope_changes_the_model_only_beyond_its_context():
 def test_unsupported_rope_parameters_are_refused_naming_the_field(rope_parameters, match):
     with pytest.raises(ValueError, match=f"rope_parameters.*{match}"):
         tiny_config(rope_parameters=rope_parameters)
+
+
+@pytest.mark.parametrize("l3", [False, True], ids=["dense", "l3"])
+def test_training_forward_compiles_as_one_graph_with_the_eager_loss_and_gradients(l3):
+    """The training forward (labels given: the chunked loss) compiles with `fullgraph=True`, dense and with an L3
+    layer (its lookup and loss are custom ops), gives eager's loss and gradients, and a batch with another pair
+    count reuses the graph."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = skewed_model(tiny_config(l3_after_layers=[0] if l3 else [])).train()
+    batches = [torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in (0, 1)]
+    if l3:  # the guard: the two batches route to different numbers of (token, row) pairs
+        assert len({int(model.model.l3_counts()[ids].sum()) for ids in batches}) == 2
+    compiled, graphs_before = torch.compile(model, fullgraph=True, backend="aot_eager"), counters["stats"]["unique_graphs"]
+    for ids in batches:
+        results = []
+        for forward in (compiled, model):
+            model.zero_grad()
+            loss = forward(input_ids=ids, labels=ids).loss
+            loss.backward()
+            results.append((loss.detach(), {name: param.grad.clone() for name, param in model.named_parameters()}))
+        (compiled_loss, compiled_grads), (eager_loss, eager_grads) = results
+        # the same float32 kernels, traced: equal up to a few ulp where the traced graph reorders an addition
+        torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-6, atol=1e-6)
+        for name, grad in eager_grads.items():
+            torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1

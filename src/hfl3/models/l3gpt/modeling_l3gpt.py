@@ -9,7 +9,6 @@ layer → PreTrainedModel → base model → causal LM; the rotary embeddings an
 
 import math
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +27,8 @@ from .allocation import bounds_from_counts, uniform_allocation
 from .attention_utils import L3GPTRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 from .configuration_l3gpt import L3GPTConfig
 from .linear_cross_entropy import causal_lm_loss, register_zero3_owner
-from .offload import (
-    HostTable, L3Prefetch, fetched_tables, host_tables, load_offloaded, offload_tables, prefetch_routed_rows,
-)
+from .lookup import L3Routing, l3_routing, pair_lookup
+from .offload import HostTable, fetched_tables, host_tables, load_offloaded, offload_tables, prefetch_routed_rows
 
 
 class L3GPTRMSNorm(nn.Module):
@@ -226,72 +224,6 @@ class L3GPTSmear(nn.Module):
 CAUSAL_FLAG_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
-class L3Routing(NamedTuple):
-    """Static routing of N = batch·seq tokens to their L3 table rows, as P = Σ_t d_t (token, row) pairs.
-
-    token_of_pair: `(P,)` index into the flattened tokens; row_of_pair: `(P,)` row of the L3 tables;
-    pair_offsets: `(N,)` index of each token's first pair (pairs are grouped by token, in order).
-    prefetch: the routed rows of offloaded tables, being fetched to the compute device (`L3GPTModel.route_l3`).
-    """
-
-    token_of_pair: torch.LongTensor
-    row_of_pair: torch.LongTensor
-    pair_offsets: torch.LongTensor
-    prefetch: L3Prefetch | None = None
-
-
-@torch.compiler.disable
-def l3_routing(input_ids: torch.LongTensor, l3_bounds: torch.LongTensor) -> L3Routing:
-    """Pairs (token, row) for `input_ids` of any shape, token t owning rows `l3_bounds[t]:l3_bounds[t+1]`.
-
-    Costs one device→host sync (the pair count). Shared by all L3 layers of a forward pass. Runs outside
-    `torch.compile` graphs (`torch.compiler.disable`, as does `LargeLookupLayer.lookup`): the pair count changes with
-    every batch, and inside a graph each new count compiled a new graph.
-    """
-    ids = input_ids.reshape(-1)
-    starts = l3_bounds[ids]
-    sizes = l3_bounds[ids + 1] - starts  # (N,)
-    pair_offsets = torch.cumsum(sizes, 0) - sizes
-    total = int(sizes.sum())
-    token_of_pair = torch.repeat_interleave(torch.arange(ids.numel(), device=ids.device), sizes, output_size=total)
-    row_of_pair = torch.arange(total, device=ids.device) - pair_offsets[token_of_pair] + starts[token_of_pair]
-    return L3Routing(token_of_pair, row_of_pair, pair_offsets)
-
-
-class _PairScores(torch.autograd.Function):
-    """`scores[p] = <hidden[token_of_pair[p]], table[row_of_pair[p]]>` in at least float32, in chunks of pairs, so that
-    neither pass keeps a `(P, hidden_size)` tensor: backward re-gathers chunk by chunk (grad wrt hidden is an
-    `embedding_bag` weighted by the score gradients)."""
-
-    @staticmethod
-    def forward(ctx, hidden, table, token_of_pair, row_of_pair, pair_offsets, chunk_size):
-        dtype = torch.promote_types(torch.promote_types(hidden.dtype, table.dtype), torch.float32)
-        scores = torch.empty(token_of_pair.numel(), device=hidden.device, dtype=dtype)
-        for start in range(0, token_of_pair.numel(), chunk_size):
-            tokens = token_of_pair[start : start + chunk_size]
-            rows = row_of_pair[start : start + chunk_size]
-            scores[start : start + chunk_size] = (hidden[tokens].to(dtype) * table[rows].to(dtype)).sum(-1)
-        ctx.save_for_backward(hidden, table, token_of_pair, row_of_pair, pair_offsets)
-        ctx.chunk_size = chunk_size
-        return scores
-
-    @staticmethod
-    def backward(ctx, grad_scores):
-        hidden, table, token_of_pair, row_of_pair, pair_offsets = ctx.saved_tensors
-        grad_hidden = grad_table = None
-        if ctx.needs_input_grad[0]:
-            grad_hidden = F.embedding_bag(
-                row_of_pair, table, pair_offsets, mode="sum", per_sample_weights=grad_scores.to(table.dtype)
-            ).to(hidden.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_table = torch.zeros_like(table)
-            for start in range(0, token_of_pair.numel(), ctx.chunk_size):
-                tokens = token_of_pair[start : start + ctx.chunk_size]
-                weights = grad_scores[start : start + ctx.chunk_size, None].to(table.dtype)
-                grad_table.index_add_(0, row_of_pair[start : start + ctx.chunk_size], weights * hidden[tokens])
-        return grad_hidden, grad_table, None, None, None, None
-
-
 class LargeLookupLayer(GradientCheckpointingLayer):
     """Large Lookup Layer (arXiv 2601.21461, §3.1), added to the residual stream after a decoder layer:
 
@@ -324,30 +256,18 @@ class LargeLookupLayer(GradientCheckpointingLayer):
         self.mix_proj = with_init(mix_proj, "zeros")
         self.norm = L3GPTRMSNorm(config.rms_norm_eps)
 
-    @torch.compiler.disable
     def lookup(self, x: torch.Tensor, routing: L3Routing) -> torch.Tensor:
-        """`V_tᵀ softmax(K_t x / √C)` for normed hidden states `x` of shape `(N, C)`; returns `(N, C)`.
+        """`V_tᵀ softmax(K_t x / √C)` for normed hidden states `x` of shape `(N, C)`; returns `(N, C)`
+        (`lookup.pair_lookup`: a custom op that `torch.compile` keeps in the graph).
 
         Raises:
             RuntimeError: for offloaded tables that would need gradients, or that the forward did not fetch.
         """
-        num_tokens, width = x.shape
         value_table = self.key_table if self.value_table is None else self.value_table
-        keys, values, row_of_pair = self.key_table.weight, value_table.weight, routing.row_of_pair
+        keys, values, starts = self.key_table.weight, value_table.weight, routing.starts
         if isinstance(self.key_table, HostTable):  # offloaded: the copies of the rows this forward fetched
-            keys, values, row_of_pair = fetched_tables(routing.prefetch, self.key_table, value_table)
-        scores = _PairScores.apply(
-            x, keys, routing.token_of_pair, row_of_pair, routing.pair_offsets, self.pair_chunk_size
-        ) * (width**-0.5)  # (P,)
-        segment_max = scores.new_full((num_tokens,), -math.inf).scatter_reduce(
-            0, routing.token_of_pair, scores.detach(), reduce="amax"
-        )
-        exp_scores = torch.exp(scores - segment_max[routing.token_of_pair])  # (P,)
-        normaliser = scores.new_zeros(num_tokens).index_add(0, routing.token_of_pair, exp_scores)
-        probs = exp_scores / normaliser[routing.token_of_pair]  # (P,)
-        return F.embedding_bag(
-            row_of_pair, values, routing.pair_offsets, mode="sum", per_sample_weights=probs.to(values.dtype)
-        ).to(x.dtype)  # (N, C)
+            keys, values, starts = fetched_tables(routing.prefetch, self.key_table, value_table)
+        return pair_lookup(x, keys, values, routing, starts, self.pair_chunk_size)
 
     def forward(self, hidden_states: torch.Tensor, routing: L3Routing) -> torch.Tensor:
         """`hidden_states` `(batch_size, seq_len, hidden_size)` → same shape, with the layer's output added."""
@@ -389,6 +309,7 @@ class L3GPTPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    _can_compile_fullgraph = True  # the L3 lookup and the chunked loss are custom ops; the smear state is static
     # `output_hidden_states=True` / `output_attentions=True` (transformers' `capture_outputs` hooks): the input of the
     # first decoder layer and each decoder layer's output (before an L3 layer after it), the last replaced by the
     # final-normed `last_hidden_state`; the attention weights where the backend returns them (eager)

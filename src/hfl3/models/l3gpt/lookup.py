@@ -1,0 +1,177 @@
+"""The L3 lookup ("L³: Large Lookup Layers", Tseng & De Sa, arXiv 2601.21461, §3.1) on (token, row) pairs, as
+`torch.library` custom ops, so that `torch.compile` keeps a training forward with L3 layers in one graph.
+
+Token t owns the rows `bounds[t]:bounds[t + 1]` of the tables; a batch of N tokens routes to P = Σ_t d_t pairs. P
+depends on the token ids, and a traced graph cannot hold a tensor whose size depends on data without a graph break
+(or a global `torch._dynamo` setting). So nothing of size P crosses the graph: the routing is three `(N,)` tensors
+and the pair count as a CPU scalar (read once per forward: its one device→host copy), and the lookup op and its
+backward op expand the pairs inside, where the code is plain PyTorch in chunks of pairs (no `(P, C)` tensor is
+built). The backward recomputes the softmax instead of keeping `(P,)` tensors between the passes.
+
+Self-contained (relative imports only; ships with the modeling file as Hub remote code). Each copy of this folder
+registers its ops under a namespace named after its module, so hfl3's copy and a Hub copy loaded in the same process
+do not collide.
+"""
+
+import math
+import re
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .offload import L3Prefetch
+
+NAMESPACE = "_".join(["l3gpt", *re.findall(r"[A-Za-z0-9]+", __name__)])
+
+
+class L3Routing(NamedTuple):
+    """Static routing of N = batch·seq tokens to their L3 table rows: token n owns the pairs
+    `pair_offsets[n] : pair_offsets[n] + sizes[n]`, which read the table rows `starts[n] : starts[n] + sizes[n]`.
+
+    starts, sizes, pair_offsets: `(N,)` on the ids' device; num_pairs: P = Σ sizes, a 0-d CPU tensor.
+    prefetch: the routed rows of offloaded tables, being fetched to the compute device (`offload.L3Prefetch`).
+    """
+
+    starts: torch.LongTensor
+    sizes: torch.LongTensor
+    pair_offsets: torch.LongTensor
+    num_pairs: torch.LongTensor
+    prefetch: L3Prefetch | None = None
+
+
+def l3_routing(input_ids: torch.LongTensor, l3_bounds: torch.LongTensor) -> L3Routing:
+    """Routing of `input_ids` (any shape) to the rows of allocation `l3_bounds` `(vocab_size + 1,)`.
+
+    Costs one device→host copy (the pair count); shared by all L3 layers of a forward pass.
+    """
+    ids = input_ids.reshape(-1)
+    starts = l3_bounds[ids]
+    sizes = l3_bounds[ids + 1] - starts  # (N,)
+    return L3Routing(starts, sizes, torch.cumsum(sizes, 0) - sizes, sizes.sum().cpu())
+
+
+def expand_pairs(starts, sizes, pair_offsets, num_pairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(token_of_pair, row_of_pair)`, both `(P,)`: the token index and the table row of every pair."""
+    total = int(num_pairs)  # a CPU tensor: no device sync
+    token_of_pair = torch.repeat_interleave(torch.arange(starts.numel(), device=starts.device), sizes,
+                                            output_size=total)
+    row_of_pair = torch.arange(total, device=starts.device) - pair_offsets[token_of_pair] + starts[token_of_pair]
+    return token_of_pair, row_of_pair
+
+
+def pair_dot(left: torch.Tensor, left_index: torch.Tensor, right: torch.Tensor, right_index: torch.Tensor,
+             dtype: torch.dtype, chunk_size: int) -> torch.Tensor:
+    """`out[p] = <left[left_index[p]], right[right_index[p]]>` in `dtype`, `(P,)`, gathering `chunk_size` pairs at a
+    time (never a `(P, C)` tensor)."""
+    out = torch.empty(left_index.numel(), device=left.device, dtype=dtype)
+    for start in range(0, left_index.numel(), chunk_size):
+        chunk = slice(start, start + chunk_size)
+        out[chunk] = (left[left_index[chunk]].to(dtype) * right[right_index[chunk]].to(dtype)).sum(-1)
+    return out
+
+
+def add_pair_rows(grad: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, source: torch.Tensor,
+                  source_index: torch.Tensor, chunk_size: int) -> None:
+    """`grad[rows[p]] += weights[p] · source[source_index[p]]` for every pair p, `chunk_size` pairs at a time."""
+    for start in range(0, rows.numel(), chunk_size):
+        chunk = slice(start, start + chunk_size)
+        update = weights[chunk, None].to(grad.dtype) * source[source_index[chunk]].to(grad.dtype)
+        grad.index_add_(0, rows[chunk], update)
+
+
+def pair_softmax(x, keys, token_of_pair, row_of_pair, chunk_size) -> torch.Tensor:
+    """`softmax(K_t x_t / √C)` over each token's own rows, `(P,)`, in at least float32 (float64 for a float64
+    model). The √C keeps unit-variance scores for RMS-normed x and N(0, 1) keys (see `LargeLookupLayer`)."""
+    dtype = torch.promote_types(torch.promote_types(x.dtype, keys.dtype), torch.float32)
+    scores = pair_dot(x, token_of_pair, keys, row_of_pair, dtype, chunk_size) * x.shape[-1] ** -0.5  # (P,)
+    segment_max = scores.new_full((x.shape[0],), -math.inf).scatter_reduce(0, token_of_pair, scores, reduce="amax")
+    exp_scores = torch.exp(scores - segment_max[token_of_pair])  # (P,)
+    normaliser = scores.new_zeros(x.shape[0]).index_add(0, token_of_pair, exp_scores)  # (N,)
+    return exp_scores / normaliser[token_of_pair]
+
+
+@torch.library.custom_op(f"{NAMESPACE}::l3_lookup", mutates_args=())
+def lookup_pairs(
+    x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor,
+    pair_offsets: torch.Tensor, num_pairs: torch.Tensor, chunk_size: int,
+) -> torch.Tensor:
+    """`V_tᵀ softmax(K_t x_t / √C)` for every token, `(N, C)` in `x`'s dtype; see `pair_lookup`."""
+    token_of_pair, row_of_pair = expand_pairs(starts, sizes, pair_offsets, num_pairs)
+    probs = pair_softmax(x, keys, token_of_pair, row_of_pair, chunk_size)
+    looked_up = F.embedding_bag(row_of_pair, values, pair_offsets, mode="sum", per_sample_weights=probs.to(values.dtype))
+    return looked_up.to(x.dtype)
+
+
+@lookup_pairs.register_fake
+def _(x, keys, values, starts, sizes, pair_offsets, num_pairs, chunk_size):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::l3_lookup_backward", mutates_args=())
+def lookup_pairs_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor,
+    sizes: torch.Tensor, pair_offsets: torch.Tensor, num_pairs: torch.Tensor, chunk_size: int,
+    needs_grads: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients wrt `(x, keys, values)` of `lookup_pairs` (empty where `needs_grads` says no). With π the
+    probabilities (recomputed) and g the output gradient: dπ_p = ⟨g_t, V_r⟩; dV_r += π_p g_t; softmax backward
+    ds_p = π_p (dπ_p − Σ_{p' of t} π_p' dπ_p') / √C; dx_t = Σ_p ds_p K_r; dK_r += ds_p x_t."""
+    needs_x, needs_keys, needs_values = needs_grads
+    token_of_pair, row_of_pair = expand_pairs(starts, sizes, pair_offsets, num_pairs)
+    probs = pair_softmax(x, keys, token_of_pair, row_of_pair, chunk_size)
+    grad_probs = pair_dot(grad_out, token_of_pair, values, row_of_pair, probs.dtype, chunk_size)  # (P,)
+    expected = probs.new_zeros(x.shape[0]).index_add(0, token_of_pair, probs * grad_probs)  # (N,)
+    grad_scores = probs * (grad_probs - expected[token_of_pair]) * x.shape[-1] ** -0.5  # (P,)
+    grad_x, grad_keys, grad_values = x.new_empty(0), keys.new_empty(0), values.new_empty(0)
+    if needs_x:
+        grad_x = F.embedding_bag(
+            row_of_pair, keys, pair_offsets, mode="sum", per_sample_weights=grad_scores.to(keys.dtype)
+        ).to(x.dtype)
+    if needs_keys:
+        grad_keys = torch.zeros_like(keys)
+        add_pair_rows(grad_keys, row_of_pair, grad_scores, x, token_of_pair, chunk_size)
+    if needs_values:
+        grad_values = torch.zeros_like(values)
+        add_pair_rows(grad_values, row_of_pair, probs, grad_out, token_of_pair, chunk_size)
+    return grad_x, grad_keys, grad_values
+
+
+@lookup_pairs_backward.register_fake
+def _(grad_out, x, keys, values, starts, sizes, pair_offsets, num_pairs, chunk_size, needs_grads):
+    return tuple(torch.empty_like(tensor) if needed else tensor.new_empty(0)
+                 for tensor, needed in zip((x, keys, values), needs_grads))
+
+
+def _setup_lookup_context(ctx, inputs, output):
+    *tensors, chunk_size = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.chunk_size = chunk_size
+
+
+def _lookup_backward(ctx, grad_out):
+    needs_grads = list(ctx.needs_input_grad[:3])
+    grads = lookup_pairs_backward(grad_out.contiguous(), *ctx.saved_tensors, ctx.chunk_size, needs_grads)
+    return *(grad if needed else None for grad, needed in zip(grads, needs_grads)), None, None, None, None, None
+
+
+lookup_pairs.register_autograd(_lookup_backward, setup_context=_setup_lookup_context)
+
+
+def pair_lookup(x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, routing: L3Routing,
+                starts: torch.Tensor | None = None, chunk_size: int = 1 << 16) -> torch.Tensor:
+    """`V_tᵀ softmax(K_t x_t / √C)` for every token t: softmax over the token's own rows only.
+
+    Args:
+        x: normed hidden states `(N, C)`.
+        keys, values: tables `(rows, C)` (the same tensor when tied; gradients then add up).
+        routing: `l3_routing` of the N tokens.
+        starts: `(N,)` first row of each token in `keys`/`values`, instead of `routing.starts` (offloaded tables
+            fetched row by row).
+        chunk_size: pairs gathered at a time.
+
+    Returns:
+        `(N, C)` in `x`'s dtype; scores and softmax in at least float32.
+    """
+    starts = routing.starts if starts is None else starts
+    return lookup_pairs(x, keys, values, starts, routing.sizes, routing.pair_offsets, routing.num_pairs, chunk_size)
