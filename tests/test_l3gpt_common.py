@@ -2,7 +2,6 @@
 version's sdist: `transformers_suite.py`) run against L3GPT as against a model in transformers' tree, through a tester
 in the style of its decoder-only testers: a dense model, and one with an L3 layer and a non-uniform allocation."""
 
-import copy
 import unittest
 from unittest import mock
 
@@ -12,7 +11,6 @@ from transformers.models.auto import modeling_auto
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.models.l3gpt import L3GPTModel, bounds_from_counts, lzw_allocation
-from hfl3.models.l3gpt.attention_utils import L3GPTRotaryEmbedding
 from hfl3.models.l3gpt.modeling_l3gpt import L3GPTPreTrainedModel, L3GPTSmear
 from transformers_suite import GenerationTesterMixin, common_tests
 
@@ -52,7 +50,7 @@ class L3GPTModelTester:
 
     def prepare_config_and_inputs_for_common(self):
         input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
-        attention_mask = torch.tril(torch.ones_like(input_ids))  # left-aligned rows of decreasing length
+        attention_mask = torch.tril(torch.ones_like(input_ids))  # as CausalLMModelTester: row i keeps i + 1 tokens
         return self.get_config(), {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
@@ -158,7 +156,9 @@ class L3GPTGenerationTests(GenerationTesterMixin):
 
 
 class L3GPTCommonTests(ModelTesterMixin, L3GPTGenerationTests):
-    """The common tests with L3GPT's tester; each override or skip says which design decision it follows."""
+    """The common tests with L3GPT's tester; each override or skip says which design decision it follows. The
+    skips left to transformers are for hardware (accelerator, several GPUs, flash-attn, kernels, MPS) or for
+    architectures L3GPT is not (composite, mixture of experts, encoder-decoder, vision)."""
 
     all_model_classes = L3GPTModelTester.all_model_classes
     test_can_init_all_missing_weights_before_2023 = True  # L3GPT's `_init_weights` is meant to cover every weight
@@ -230,6 +230,38 @@ class L3GPTCommonTests(ModelTesterMixin, L3GPTGenerationTests):
             attentions = model(inputs["input_ids"], output_attentions=True).attentions
             for weights, layer_type in zip(attentions, config.layer_types):
                 self.assertEqual(bool((weights[:, :, beyond_window] == 0).all()), layer_type == "sliding_attention")
+
+    @unittest.skip("no tensor-parallel plan: L3GPT distributes with DDP, DeepSpeed ZeRO or FSDP2 (accelerate)")
+    def test_tp_plan_matches_params(self):
+        pass
+
+    @unittest.skip("no tensor-parallel plan: L3GPT distributes with DDP, DeepSpeed ZeRO or FSDP2 (accelerate)")
+    def test_tied_head_has_a_tp_plan_entry(self):
+        pass
+
+    @unittest.skip("no checkpoint key mapping: L3GPT checkpoints are written with its own state-dict keys")
+    def test_reverse_loading_mapping(self):
+        pass
+
+    @unittest.skip("no checkpoint key mapping: L3GPT checkpoints are written with its own state-dict keys")
+    def test_can_load_from_already_mapped_keys(self):
+        pass
+
+    @unittest.skip("no module kept in float32: the softcap and the loss upcast in the forward; norms have no weight")
+    def test_keep_in_fp32_modules(self):
+        pass
+
+    @unittest.skip("no module kept in float32: the softcap and the loss upcast in the forward; norms have no weight")
+    def test_keep_in_fp32_modules_exist(self):
+        pass
+
+    @unittest.skip("not a composite model: its SDPA/eager dispatch is test_sdpa_can_dispatch_non_composite_models")
+    def test_sdpa_can_dispatch_composite_models(self):
+        pass
+
+    @unittest.skip("partial rotation is refused by L3GPTConfig: nanochat rotates whole heads")
+    def test_model_rope_with_partial_rotation(self):
+        pass
 
     def test_tester_weights_are_non_zero(self):
         config, _ = self.model_tester.prepare_config_and_inputs_for_common()

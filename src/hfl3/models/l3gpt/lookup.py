@@ -1,5 +1,6 @@
-"""The L3 lookup ("L³: Large Lookup Layers", Tseng & De Sa, arXiv 2601.21461, §3.1) on (token, row) pairs, as
-`torch.library` custom ops, so that `torch.compile` keeps a training forward with L3 layers in one graph.
+"""The Large Lookup Layer ("L³: Large Lookup Layers", Tseng & De Sa, arXiv 2601.21461, §3.1) and its lookup on
+(token, row) pairs, as `torch.library` custom ops, so that `torch.compile` keeps a training forward with L3 layers in
+one graph.
 
 Token t owns the rows `bounds[t]:bounds[t + 1]` of the tables; a batch of N tokens routes to P = Σ_t d_t pairs. P
 depends on the token ids, and a traced graph cannot hold a tensor whose size depends on data without a graph break
@@ -19,8 +20,12 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .offload import L3Prefetch
+from .configuration_l3gpt import L3GPTConfig
+from .layers import L3GPTRMSNorm, uniform_bound, with_init
+from .offload import HostTable, L3Prefetch, fetched_tables
 
 NAMESPACE = "_".join(["l3gpt", *re.findall(r"[A-Za-z0-9]+", __name__)])
 
@@ -175,3 +180,56 @@ def pair_lookup(x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, routi
     """
     starts = routing.starts if starts is None else starts
     return lookup_pairs(x, keys, values, starts, routing.sizes, routing.pair_offsets, routing.num_pairs, chunk_size)
+
+
+class LargeLookupLayer(GradientCheckpointingLayer):
+    """Large Lookup Layer (arXiv 2601.21461, §3.1), added to the residual stream after a decoder layer:
+
+        h ← h + W_mix [ Norm(W_up(V_tᵀ softmax(K_t x / √C))) ; x ],   x = Norm(h)
+
+    where token t (static routing by id) owns the rows `bounds[t]:bounds[t+1]` of the key table K and value
+    table V (the same table when `l3_tie_kv`). Softmax runs over the token's own rows only.
+
+    Score scale: keys are N(0, 1) and scores are divided by √C (C = hidden_size) so that, with x RMS-normed,
+    scores start with unit variance as in dot-product attention. nanochat's PR #559 used no scaling (scores of
+    std √C: a near one-hot softmax whose gradient reaches one row per token); scaling the init by C^-½ as well
+    makes the softmax near-uniform. Unit-variance logits keep both the choice and the gradient spread.
+
+    `W_mix` (`mix_proj`) is zero-initialised, so a fresh layer is an exact no-op.
+
+    Memory: the lookup works on (token, row) pairs, so activations grow with the routed tokens' actual table sizes
+    (P = Σ d_t scalars for scores and probabilities), never with `k_max`; no `(N, k_max, C)` tensor is built.
+    """
+
+    pair_chunk_size = 1 << 16
+
+    def __init__(self, config: L3GPTConfig):
+        super().__init__()
+        table = lambda: with_init(nn.Embedding(config.l3_n_emb, config.hidden_size), "normal", 1.0)  # noqa: E731
+        self.key_table = table()
+        self.value_table = None if config.l3_tie_kv else table()
+        up_proj = nn.Linear(config.hidden_size, config.l3_d_up, bias=False)
+        self.up_proj = with_init(up_proj, "uniform", uniform_bound(config))
+        mix_proj = nn.Linear(config.l3_d_up + config.hidden_size, config.hidden_size, bias=False)
+        self.mix_proj = with_init(mix_proj, "zeros")
+        self.norm = L3GPTRMSNorm(config.rms_norm_eps)
+
+    def lookup(self, x: torch.Tensor, routing: L3Routing) -> torch.Tensor:
+        """`V_tᵀ softmax(K_t x / √C)` for normed hidden states `x` of shape `(N, C)`; returns `(N, C)`
+        (`pair_lookup`: a custom op that `torch.compile` keeps in the graph).
+
+        Raises:
+            RuntimeError: for offloaded tables that would need gradients, or that the forward did not fetch.
+        """
+        value_table = self.key_table if self.value_table is None else self.value_table
+        keys, values, starts = self.key_table.weight, value_table.weight, routing.starts
+        if isinstance(self.key_table, HostTable):  # offloaded: the copies of the rows this forward fetched
+            keys, values, starts = fetched_tables(routing.prefetch, self.key_table, value_table)
+        return pair_lookup(x, keys, values, routing, starts, self.pair_chunk_size)
+
+    def forward(self, hidden_states: torch.Tensor, routing: L3Routing) -> torch.Tensor:
+        """`hidden_states` `(batch_size, seq_len, hidden_size)` → same shape, with the layer's output added."""
+        x = self.norm(hidden_states).reshape(-1, hidden_states.size(-1))  # (N, C)
+        looked_up = self.norm(self.up_proj(self.lookup(x, routing)))  # (N, d_up)
+        mixed = self.mix_proj(torch.cat([looked_up, x], dim=-1))  # (N, C)
+        return hidden_states + mixed.view_as(hidden_states)

@@ -2,12 +2,12 @@
 ("L³: Large Lookup Layers", Tseng & De Sa, arXiv 2601.21461).
 
 Self-contained (relative imports only) so that the folder can be shipped as Hub remote code. File order follows
-transformers' modeling files: norm → attention → MLP → value embeddings and smear → LargeLookupLayer → decoder
-layer → PreTrainedModel → base model → causal LM; the rotary embeddings and the eager attention are in
-`attention_utils.py`.
+transformers' modeling files: attention → MLP → value embeddings and smear → decoder layer → PreTrainedModel → base
+model → causal LM. Beside it: the norm and nanochat's init tags in `layers.py`, the rotary embeddings and the eager
+attention in `attention_utils.py`, the L3 layer and its lookup ops in `lookup.py`, the loss in
+`linear_cross_entropy.py`.
 """
 
-import math
 import os
 
 import torch
@@ -20,53 +20,17 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.utils import can_return_tuple
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
 from .allocation import bounds_from_counts, uniform_allocation
 from .attention_utils import L3GPTRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 from .configuration_l3gpt import L3GPTConfig
+from .layers import L3GPTRMSNorm, initialize, uniform_bound, with_init
 from .linear_cross_entropy import causal_lm_loss, register_zero3_owner
-from .lookup import L3Routing, l3_routing, pair_lookup
-from .offload import HostTable, fetched_tables, host_tables, load_offloaded, offload_tables, prefetch_routed_rows
-
-
-class L3GPTRMSNorm(nn.Module):
-    """Parameter-free RMSNorm over the last dimension (nanochat: `F.rms_norm(x, (x.size(-1),))`)."""
-
-    def __init__(self, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(hidden_states, (hidden_states.size(-1),), eps=self.eps)
-
-
-def with_init(module: nn.Module, scheme: str, scale: float = 0.0) -> nn.Module:
-    """Tag a Linear/Embedding with its init (`"uniform"` in ±scale, `"positive_uniform"` in [0, scale], `"normal"`
-    with std scale, `"zeros"`), applied by `_init_weights`. The tag lives on the parameter-owning module because
-    transformers v5 skips modules without direct parameters when initialising remote-code models."""
-    module.hfl3_init = (scheme, scale)
-    return module
-
-
-def initialize(weight: torch.Tensor, scheme: tuple[str, float]) -> None:
-    """Fill `weight` (a parameter or rows of one) following a `with_init` scheme, through transformers' `init`
-    functions (which skip tensors that loading has already filled)."""
-    kind, scale = scheme
-    if kind == "uniform":
-        init.uniform_(weight, -scale, scale)
-    elif kind == "positive_uniform":
-        init.uniform_(weight, 0.0, scale)
-    elif kind == "normal":
-        init.normal_(weight, std=scale)
-    else:
-        init.zeros_(weight)
-
-
-def uniform_bound(config: L3GPTConfig) -> float:
-    """nanochat's q/k/v init: uniform with std 1/√C, i.e. bound √3/√C (C = hidden_size)."""
-    return math.sqrt(3.0 / config.hidden_size)
+from .lookup import L3Routing, LargeLookupLayer, l3_routing
+from .offload import host_tables, load_offloaded, offload_tables, prefetch_routed_rows
 
 
 # nanochat 6ed7d1d: value-embedding gates are 3·sigmoid(·), in (0, 3), 1.5 at a zero gate input.
@@ -222,59 +186,6 @@ class L3GPTSmear(nn.Module):
 
 # Attention implementations that apply causality themselves when given no mask (`is_causal` / `causal=True`).
 CAUSAL_FLAG_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
-
-
-class LargeLookupLayer(GradientCheckpointingLayer):
-    """Large Lookup Layer (arXiv 2601.21461, §3.1), added to the residual stream after a decoder layer:
-
-        h ← h + W_mix [ Norm(W_up(V_tᵀ softmax(K_t x / √C))) ; x ],   x = Norm(h)
-
-    where token t (static routing by id) owns the rows `bounds[t]:bounds[t+1]` of the key table K and value
-    table V (the same table when `l3_tie_kv`). Softmax runs over the token's own rows only.
-
-    Score scale: keys are N(0, 1) and scores are divided by √C (C = hidden_size) so that, with x RMS-normed,
-    scores start with unit variance as in dot-product attention. nanochat's PR #559 used no scaling (scores of
-    std √C: a near one-hot softmax whose gradient reaches one row per token); scaling the init by C^-½ as well
-    makes the softmax near-uniform. Unit-variance logits keep both the choice and the gradient spread.
-
-    `W_mix` (`mix_proj`) is zero-initialised, so a fresh layer is an exact no-op.
-
-    Memory: the lookup works on (token, row) pairs, so activations grow with the routed tokens' actual table sizes
-    (P = Σ d_t scalars for scores and probabilities), never with `k_max`; no `(N, k_max, C)` tensor is built.
-    """
-
-    pair_chunk_size = 1 << 16
-
-    def __init__(self, config: L3GPTConfig):
-        super().__init__()
-        table = lambda: with_init(nn.Embedding(config.l3_n_emb, config.hidden_size), "normal", 1.0)  # noqa: E731
-        self.key_table = table()
-        self.value_table = None if config.l3_tie_kv else table()
-        up_proj = nn.Linear(config.hidden_size, config.l3_d_up, bias=False)
-        self.up_proj = with_init(up_proj, "uniform", uniform_bound(config))
-        mix_proj = nn.Linear(config.l3_d_up + config.hidden_size, config.hidden_size, bias=False)
-        self.mix_proj = with_init(mix_proj, "zeros")
-        self.norm = L3GPTRMSNorm(config.rms_norm_eps)
-
-    def lookup(self, x: torch.Tensor, routing: L3Routing) -> torch.Tensor:
-        """`V_tᵀ softmax(K_t x / √C)` for normed hidden states `x` of shape `(N, C)`; returns `(N, C)`
-        (`lookup.pair_lookup`: a custom op that `torch.compile` keeps in the graph).
-
-        Raises:
-            RuntimeError: for offloaded tables that would need gradients, or that the forward did not fetch.
-        """
-        value_table = self.key_table if self.value_table is None else self.value_table
-        keys, values, starts = self.key_table.weight, value_table.weight, routing.starts
-        if isinstance(self.key_table, HostTable):  # offloaded: the copies of the rows this forward fetched
-            keys, values, starts = fetched_tables(routing.prefetch, self.key_table, value_table)
-        return pair_lookup(x, keys, values, routing, starts, self.pair_chunk_size)
-
-    def forward(self, hidden_states: torch.Tensor, routing: L3Routing) -> torch.Tensor:
-        """`hidden_states` `(batch_size, seq_len, hidden_size)` → same shape, with the layer's output added."""
-        x = self.norm(hidden_states).reshape(-1, hidden_states.size(-1))  # (N, C)
-        looked_up = self.norm(self.up_proj(self.lookup(x, routing)))  # (N, d_up)
-        mixed = self.mix_proj(torch.cat([looked_up, x], dim=-1))  # (N, C)
-        return hidden_states + mixed.view_as(hidden_states)
 
 
 class L3GPTDecoderLayer(GradientCheckpointingLayer):
@@ -495,7 +406,7 @@ class L3GPTModel(L3GPTPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         """
         Args:
@@ -625,7 +536,7 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         return_logits: bool = False,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         """
         Args:
