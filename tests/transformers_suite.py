@@ -8,7 +8,8 @@ and imports from there.
 Downloaded rather than vendored: the tests then always match the installed transformers, whose private helpers they
 call and which move between releases (a vendored copy breaks on the next upgrade, or worse, passes against APIs that
 are gone), and the repository keeps none of their 7,000 lines. The cost is one download (10 MB) on a fresh checkout;
-without PyPI, put `transformers-<version>.tar.gz` into `build/transformers-tests/` by hand.
+without PyPI (an offline GPU box) the tests are skipped with the reason shown, or put `transformers-<version>.tar.gz`
+into `build/transformers-tests/` by hand.
 
 The sdist ships `tests/*.py` but not the three helper modules these two files import; `install_stand_ins` puts
 stand-ins into `sys.modules` before the import:
@@ -36,6 +37,10 @@ PACKAGE = "transformers_common_tests"
 SHIPPED = ("test_modeling_common.py", "test_configuration_common.py")
 
 
+class SdistUnavailable(RuntimeError):
+    """The sdist is neither cached nor downloadable."""
+
+
 class ExportTesterMixin:
     """Stand-in for transformers' `tests/exporters/test_export.py` mixin (not in the sdist): no export tests."""
 
@@ -60,7 +65,7 @@ def sdist(version: str) -> Path:
     """Path of `transformers-<version>.tar.gz` in the cache, downloaded from PyPI with pip if absent.
 
     Raises:
-        RuntimeError: if pip cannot download it (no PyPI), with the command to run or the file to place.
+        SdistUnavailable: if pip cannot download it (no PyPI), with the command to run or the file to place.
     """
     path = CACHE / f"transformers-{version}.tar.gz"
     if path.exists():
@@ -70,7 +75,7 @@ def sdist(version: str) -> Path:
                f"transformers=={version}", "--dest", str(CACHE)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if result.returncode or not path.exists():
-        raise RuntimeError(
+        raise SdistUnavailable(
             f"could not download transformers=={version}'s sdist for its common model tests ({' '.join(command[2:])}"
             f" exited {result.returncode}: {result.stderr.strip()[-300:]}); with PyPI reachable run it again, or "
             f"put transformers-{version}.tar.gz into {CACHE.relative_to(REPO_ROOT)}/"
@@ -114,7 +119,7 @@ def common_tests() -> tuple[types.ModuleType, types.ModuleType]:
     """transformers' `(test_modeling_common, test_configuration_common)` for the installed version.
 
     Raises:
-        RuntimeError: if the sdist is not cached and cannot be downloaded.
+        SdistUnavailable: if the sdist is not cached and cannot be downloaded.
     """
     root = extracted_tests(transformers.__version__)
     if str(root) not in sys.path:

@@ -48,7 +48,7 @@ class L3GPTConfig(PreTrainedConfig):
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities.
         initializer_range (`float`, defaults to 0.001): std of the output head's normal init (nanochat).
         tie_word_embeddings (`bool`, defaults to `False`): nanochat unties input and output embeddings.
-        use_cache (`bool`, defaults to `True`): return a `DynamicCache` during generation.
+        use_cache (`bool`, defaults to `True`): return a cache (a `DynamicCache` unless one is passed) outside training.
 
     nanochat master fields (karpathy/nanochat 92d63d4; each measured in its dev/LOG.md; on by default as there, off
     when a `config.json` written before them is loaded, see [`L3GPTConfig.from_dict`]):
@@ -71,8 +71,8 @@ class L3GPTConfig(PreTrainedConfig):
             `position_ids` is 0 (sequence start, left padding, each packed document's first token), so packed
             documents stay independent as with hfl3's block-causal attention; nanochat, which packs without
             position ids, smears across document boundaries. The result is also the x0 of `x0_lambdas`. Cached
-            decoding keeps the previous token's embedding in the `DynamicCache` (one extra layer, `hidden_size` values
-            per token).
+            decoding keeps the previous token's embedding in the cache (a convolution state after the attention
+            layers, `hidden_size` values per sequence; dynamic and static caches alike).
         smear_gate_channels (`int`, defaults to 24): s above.
         use_backout (`bool`, defaults to `True`): "backout" (nanochat a825e63): before the final norm subtract
             `backout_lambda` (learned scalar, init 0.2) times the residual stream after layer

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionLayer
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -135,12 +135,13 @@ class L3GPTSmear(nn.Module):
     `position_ids` is 0 (see `L3GPTConfig.use_smear_gate`). `hfl3.optim.param_groups_by_kind` recognises this class
     (nanochat's smear group).
 
-    During cached decoding the previous token's normed embedding comes from the cache. The smear is a causal
-    convolution of width 2 over the embeddings, so its state is what transformers' caches keep for convolutions: a
-    `LinearAttentionLayer` (one conv state `(batch_size, hidden_size, 1)`, the last token's embedding) appended
-    after the attention layers, at index `num_hidden_layers`. It has a fixed shape, so a `StaticCache` stays
-    compileable (its masks are built and `torch.compile` of the decoding step works), and the cache moves it with
-    the keys and values on beam reordering, reset and (with past recording, as assisted decoding does) cropping."""
+    Cached decoding reads the previous token's normed embedding from one more cache layer after the attention layers
+    (index `num_hidden_layers`), which the cache moves with the keys and values (beam reordering, reset, cropping):
+    - in a compileable cache (`StaticCache`), a `LinearAttentionLayer`: the smear is a causal convolution of width 2
+      whose state `(batch_size, hidden_size, 1)` has a fixed shape, so the cache stays compileable (decoding masks
+      are built, `torch.compile` of the decoding step works);
+    - in a `DynamicCache`, a `DynamicLayer` with every token's embedding as keys `(batch_size, 1, seen, hidden_size)`
+      (zero-width values): croppable at any time, as assisted decoding needs for a draft model's cache."""
 
     def __init__(self, config: L3GPTConfig):
         super().__init__()
@@ -149,12 +150,11 @@ class L3GPTSmear(nn.Module):
         self.cache_layer_idx = config.num_hidden_layers
 
     def previous_embedding(self, embeds: torch.Tensor, past_key_values: Cache | None) -> torch.Tensor | None:
-        """Record `embeds` `(batch_size, seq_len, hidden_size)` in the cache's smear state; return the embedding of the
+        """Record `embeds` `(batch_size, seq_len, hidden_size)` in the cache's smear layer; return the embedding of the
         token before them `(batch_size, 1, hidden_size)`, or None when there is no cache or nothing before them.
 
         Raises:
-            ValueError: if the cache's layer `num_hidden_layers` is not a convolution state (a cache built for
-                another model).
+            ValueError: if the cache's layer `num_hidden_layers` is another kind (a cache built for another model).
         """
         if past_key_values is None:
             return None
@@ -162,18 +162,21 @@ class L3GPTSmear(nn.Module):
         if len(layers) < index and past_key_values.layer_class_to_replicate is not None:  # a lazily filled cache
             layers.extend(past_key_values.layer_class_to_replicate() for _ in range(index - len(layers)))
         if len(layers) == index:
-            layers.append(LinearAttentionLayer())
-        if not isinstance(layers[index], LinearAttentionLayer):
+            layers.append(LinearAttentionLayer() if past_key_values.is_compileable else DynamicLayer())
+        layer = layers[index]
+        if type(layer) is DynamicLayer:
+            keys, _ = past_key_values.update(embeds[:, None], embeds[:, None, :, :0], index)  # (B, 1, seen, C)
+            seen = keys.shape[2] - embeds.shape[1]
+            return keys[:, 0, seen - 1 : seen] if seen > 0 else None
+        if not isinstance(layer, LinearAttentionLayer):
             raise ValueError(
-                f"past_key_values layer {index} is a {type(layers[index]).__name__}; L3GPT keeps the smear's previous "
-                f"token there (a LinearAttentionLayer after its {index} attention layers): pass a cache built for "
-                "this model (DynamicCache(config=model.config), StaticCache(config=model.config, ...)) or none"
+                f"past_key_values layer {index} is a {type(layer).__name__}; L3GPT keeps the smear's previous token in "
+                f"the layer after its {index} attention layers: pass a cache built for this model "
+                "(DynamicCache(config=model.config), StaticCache(config=model.config, ...)) or none"
             )
-        has_previous = layers[index].has_previous_state[0]
+        has_previous = layer.has_previous_state[0]
         states = past_key_values.update_conv_state(embeds.transpose(1, 2), index, conv_kernel_size=1)  # (B, C, ·)
-        if not has_previous:
-            return None
-        return states[:, :, -embeds.shape[1] - 1, None].transpose(1, 2)  # (B, 1, C): the token before `embeds`
+        return states[:, :, -embeds.shape[1] - 1, None].transpose(1, 2) if has_previous else None
 
     def forward(self, embeds, position_ids, previous=None):
         """`embeds` `(batch_size, seq_len, hidden_size)` → same shape; `position_ids` `(batch_size or 1, seq_len)`."""
@@ -254,12 +257,11 @@ class L3GPTPreTrainedModel(PreTrainedModel):
     def resize_token_embeddings(
         self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
     ) -> nn.Embedding:
-        """transformers' `resize_token_embeddings` (input embedding and output head, `config.vocab_size`), extended
-        to every table indexed by token id: the value-embedding tables get rows for the new tokens, and the L3
-        allocation gives each new token one row of its own (the fewest any token owns; no frequency data exists
-        for it), appended to the L3 tables, so `config.l3_n_emb` grows by the number of new tokens (removed tokens
-        give back their rows). Old tokens keep their rows, so their outputs are unchanged. New rows follow
-        `mean_resizing` as transformers' do: the old rows' mean and covariance, or else the table's own init.
+        """transformers' `resize_token_embeddings` (input embedding, output head, `config.vocab_size`) extended to every
+        table indexed by token id: value-embedding tables get rows for the new tokens; the L3 allocation gives each
+        new token one row (the fewest any token owns: there is no frequency data for it), appended to the L3 tables,
+        and `config.l3_n_emb` follows (removed tokens give theirs back). Old tokens keep their rows and outputs. New
+        rows follow `mean_resizing` as transformers': the old rows' mean and covariance, or else the table's init.
 
         Returns:
             The input embedding (`nn.Embedding`), as transformers'.
@@ -267,13 +269,10 @@ class L3GPTPreTrainedModel(PreTrainedModel):
         Raises:
             RuntimeError: if the L3 tables are offloaded (`offload_l3_tables`): resize before offloading.
         """
-        base = self.base_model
+        base, old_vocab_size = self.base_model, self.config.vocab_size
         if host_tables(base.l3_layers):
-            raise RuntimeError(
-                "resize_token_embeddings: the L3 tables are offloaded to CPU memory (offload_l3_tables / l3_offload);"
-                " resize the model before offloading its tables"
-            )
-        old_vocab_size = self.config.vocab_size
+            raise RuntimeError("resize_token_embeddings: the L3 tables are offloaded to CPU memory (offload_l3_tables"
+                               " / l3_offload); resize the model before offloading its tables")
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         if self.config.vocab_size != old_vocab_size:
             if not mean_resizing:
@@ -415,7 +414,8 @@ class L3GPTModel(L3GPTPreTrainedModel):
             attention_mask (`torch.Tensor` of shape `(batch_size, seq_len)`, *optional*): 1 = attend, 0 = padding.
             position_ids (`torch.LongTensor` of shape `(batch_size, seq_len)`, *optional*): positions; restarting
                 positions mark packed documents, which then do not attend to each other (transformers' masks).
-            past_key_values (`Cache`, *optional*): a `DynamicCache` for incremental decoding.
+            past_key_values (`Cache`, *optional*): a `DynamicCache` or `StaticCache` (built with this model's config)
+                for incremental decoding.
             inputs_embeds (`torch.FloatTensor` of shape `(batch_size, seq_len, hidden_size)`, *optional*).
             output_hidden_states, output_attentions (in `kwargs`): also return `hidden_states` (`num_hidden_layers +
                 1` tensors `(batch_size, seq_len, hidden_size)`: the first layer's input, then each layer's output,
