@@ -4,11 +4,12 @@
     python benchmarks/data_loader.py --json benchmarks/results/data_loader_cpu.json
     python benchmarks/data_loader.py --skip_memory          # throughput only (~4 minutes)
 
-Corpora (built once under `--work_dir`, default build/data_loader, and reused): the nine Gutenberg novels of
-../shared/assets/text, each cut at blank lines into paragraphs and the paragraphs grouped into documents of at least
-`--document_chars` characters (about FineWeb-Edu's mean document), repeated until the corpus size is reached and
-written half as parquet shards (column `text`, 1000 documents per row group) and half as text shards (documents
-separated by `<|endoftext|>`), each shard ~25 MB: `corpus_50mb/` (2 shards) and `corpus_2gb/` (80 shards).
+Corpora (built once under `--work_dir`, default build/data_loader, and reused): the nine Gutenberg novels of the
+assets' text/gutenberg folder (see benchmarks/common.py), each cut at blank lines into paragraphs and the paragraphs
+grouped into documents of at least `--document_chars` characters (about FineWeb-Edu's mean document), repeated
+until the corpus size is reached and written half as parquet shards (column `text`, 1000 documents per row group)
+and half as text shards (documents separated by `<|endoftext|>`), each shard ~25 MB: `corpus_50mb/` (2 shards) and
+`corpus_2gb/` (80 shards).
 
 Tokenizer: a 32768-token byte-level BPE (`hfl3.tokenization.train_tokenizer`) trained on the novels, saved under
 `--work_dir` for the recipe runs.
@@ -57,7 +58,9 @@ from hfl3.tokenization import load_tokenizer, train_tokenizer
 from hfl3.trainers.pretrain import PackedCollator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-ASSETS = Path(os.environ.get("HFL3_ASSETS", REPO_ROOT.parent / "shared" / "assets"))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+from common import find_asset  # noqa: E402
+
 SEPARATOR = "<|endoftext|>"
 SHARD_BYTES = 25_000_000
 D12_TOKENS_PER_SECOND = 450_000  # nanochat d12 step on one H100 (DESIGN.md: 444k tok/s measured)
@@ -78,7 +81,7 @@ class LoaderArguments:
 
 def novel_documents(min_chars: int) -> list[str]:
     documents = []
-    for novel in sorted((ASSETS / "text" / "gutenberg").glob("*.txt")):
+    for novel in sorted(find_asset("text/gutenberg").glob("*.txt")):
         document = ""
         for paragraph in novel.read_text().split("\n\n"):
             document = f"{document}\n\n{paragraph}" if document else paragraph
@@ -206,7 +209,7 @@ def main(args: LoaderArguments) -> dict:
     small = build_corpus(work / "corpus_50mb", 50_000_000, documents)
     tokenizer_dir = work / f"bpe_{args.vocab_size}"
     if not (tokenizer_dir / "tokenizer.json").is_file():
-        novels = [p.read_text() for p in sorted((ASSETS / "text" / "gutenberg").glob("*.txt"))]
+        novels = [p.read_text() for p in sorted(find_asset("text/gutenberg").glob("*.txt"))]
         train_tokenizer(novels, args.vocab_size).save_pretrained(tokenizer_dir)
     tokenizer = load_tokenizer(str(tokenizer_dir))
     results = {"arguments": asdict(args), "load_before": load_average(), "cpus": os.cpu_count()}

@@ -15,9 +15,7 @@ real-text sample routed by that text (frequent tokens own k_max rows, so the rou
 """
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,7 +29,8 @@ from hfl3.models.l3gpt import bounds_from_counts, l3_routing, lzw_allocation, un
 from hfl3.models.l3gpt.modeling_l3gpt import LargeLookupLayer
 from hfl3.models.l3gpt.reference import padded_lookup_reference
 
-ASSETS = Path(os.environ.get("HFL3_ASSETS", Path(__file__).resolve().parents[2] / "shared" / "assets"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import find_asset, in_fresh_process  # noqa: E402
 
 
 @dataclass
@@ -44,7 +43,6 @@ class Args:
     repeats: int = field(default=3, metadata={"help": "timed runs per method (median reported)"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     json: str | None = field(default=None, metadata={"help": "write the results as JSON here"})
-    child: str | None = field(default=None, metadata={"help": "internal: measure one method in this process"})
 
 
 def make_case(args: Args, allocation: str):
@@ -69,11 +67,16 @@ def make_case(args: Args, allocation: str):
     return layer, x.to(args.device), ids.to(args.device), bounds, k_max
 
 
-def real_text_ids(vocab_size: int, n_tokens: int) -> torch.LongTensor:
-    """Tokens of the Gutenberg novels under a byte-level BPE trained here on them (vocab_size ids)."""
+def real_text_ids(vocab_size: int, n_tokens: int, max_chars: int | None = None) -> torch.LongTensor:
+    """The first `n_tokens` tokens of (up to) three Gutenberg novels, their first `max_chars` characters if given,
+    under a byte-level BPE of `vocab_size` ids trained here on that text.
+
+    Raises:
+        FileNotFoundError: no `text/gutenberg` assets folder (see `common.find_asset`).
+    """
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    text = "".join(p.read_text() for p in sorted((ASSETS / "text" / "gutenberg").glob("*.txt"))[:3])
+    text = "".join(p.read_text() for p in sorted(find_asset("text/gutenberg").glob("*.txt"))[:3])[:max_chars]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -116,8 +119,8 @@ def cpu_resident_bytes(reset_peak: bool = False, peak: bool = False) -> int:
     raise RuntimeError("no /proc/self/status: CPU peak memory needs Linux")
 
 
-def measure_child(args: Args) -> dict:
-    method, allocation = args.child.split(":")
+def measure_method(args: Args, method: str, allocation: str) -> dict:
+    """Memory and time of one method in this process (call it in a fresh one: the peak is the process's own)."""
     layer, x, ids, bounds, k_max = make_case(args, allocation)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if args.device == "cuda":
@@ -138,9 +141,6 @@ def measure_child(args: Args) -> dict:
 
 
 def main(args: Args) -> None:
-    if args.child:
-        print(json.dumps(measure_child(args)))
-        return
     results = []
     for allocation in ("uniform", "lzw-real-text"):
         layer, x, ids, bounds, k_max = make_case(args, allocation)
@@ -152,9 +152,7 @@ def main(args: Args) -> None:
         row = {"allocation": allocation, "k_max": k_max, "routed_mean_rows": sizes.mean().item(),
                "max_rel_error": max(errors)}
         for method in ("hfl3", "padded"):
-            child = [sys.executable, __file__, *to_cli(args), "--child", f"{method}:{allocation}"]
-            output = subprocess.run(child, check=True, capture_output=True, text=True).stdout
-            row[method] = json.loads(output.strip().splitlines()[-1])
+            row[method] = in_fresh_process(measure_method, args, method, allocation)
         results.append(row)
     print(f"\nL3 lookup fwd+bwd, N={args.tokens} tokens, C={args.hidden_size}, vocab={args.vocab_size}, "
           f"mean rows={args.mean_rows}, device={args.device}")
@@ -172,11 +170,6 @@ def main(args: Args) -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": asdict(args), "results": results}, indent=2))
-
-
-def to_cli(args: Args) -> list[str]:
-    skip = {"json", "child"}
-    return [item for key, value in asdict(args).items() if key not in skip for item in (f"--{key}", str(value))]
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ loads it once per arm, each arm in a fresh process, arms alternating over `--rou
 - on CUDA: `on_device` (everything on the GPU) vs `offloaded` (`l3_offload=True`: tables pinned in RAM, the routed
   rows copied on a side stream) vs `mmap` (`l3_offload="mmap"`: tables mapped from the safetensors file);
   GPU memory after loading and at the peak of generation.
-- on CPU: `in_ram` (`disable_mmap=True`: the file read into memory) vs `mmap` (`l3_offload="mmap"`) vs `default`
+- on CPU (by default): `in_ram` (`disable_mmap=True`: the file read into memory) vs `mmap` (`l3_offload="mmap"`) vs
+  `default`
   (plain `from_pretrained`: transformers 5.23 itself maps the file on the CPU); RSS growth after loading and after
   generating (and its file-backed part, RssFile), beside the bytes of the table rows the text routes to (the least
   any method must read). The file is dropped from the page cache before each arm (`posix_fadvise`), so every arm
   starts cold, as after a reboot: a just-written file sits in the page cache in large folios, and mapping one
-  row then maps its whole folio.
+  row then maps its whole folio. `--arms on_device,offloaded,mmap` runs the CUDA arms' loading on a CPU (a dry run
+  of the GPU code path: the tables then stay in ordinary RAM, nothing is pinned and no copy is made).
 
 Generation: `generate` with greedy decoding, forced (a logits processor) to emit held-out text, so that the routed
 tokens have real text's frequencies; decode tok/s = batch × (new − 1) / (time(new tokens) − time(1 token)), median of
@@ -23,10 +25,8 @@ wall-clock on CUDA. The prompt's logits of every arm are compared with the first
         --num_hidden_layers 12 --l3_after_layer 5 --l3_n_emb 720896 --json benchmarks/results/l3_offload_h100.json
 """
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,11 +34,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from l3_forward import real_text_ids, to_cli
 from transformers import AutoModelForCausalLM, HfArgumentParser, LogitsProcessor, LogitsProcessorList
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.models.l3gpt import lzw_allocation
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import in_fresh_process  # noqa: E402
+from l3_forward import real_text_ids  # noqa: E402
 
 ARMS = {"cuda": ("on_device", "offloaded", "mmap"), "cpu": ("in_ram", "mmap", "default")}
 LOAD_KWARGS = {
@@ -57,13 +60,26 @@ class Args:
     l3_after_layer: int = field(default=0, metadata={"help": "the L3 layer follows this decoder layer"})
     l3_n_emb: int = field(default=1 << 20, metadata={"help": "table rows (1M × 256 × fp32 = 1 GiB)"})
     l3_k_max: int = field(default=512, metadata={"help": "most rows per token (the paper's k)"})
+    text_tokens: int = field(default=400_000, metadata={"help": "novel tokens: 3/4 for the allocation, then prompts"})
+    text_chars: int | None = field(default=None, metadata={"help": "train the BPE on this many characters only"})
     prompt_len: int = field(default=64, metadata={"help": "prompt tokens"})
     new_tokens: int = field(default=128, metadata={"help": "tokens generated per sequence"})
     batch_sizes: str = field(default="1,8", metadata={"help": "comma-separated batch sizes"})
     repeats: int = field(default=5, metadata={"help": "timed generations per batch size (median)"})
     rounds: int = field(default=3, metadata={"help": "fresh processes per arm, arms alternating"})
+    arms: str | None = field(default=None, metadata={"help": f"comma-separated (default by device: {ARMS})"})
     json: str | None = field(default=None, metadata={"help": "write the results as JSON here"})
-    child: str | None = field(default=None, metadata={"help": "internal: 'arm:folder', measure one arm"})
+
+    def __post_init__(self):
+        if self.arms is None:
+            self.arms = ",".join(ARMS[self.device])
+        unknown = set(self.arm_list) - set(LOAD_KWARGS)
+        if unknown:
+            raise ValueError(f"--arms: unknown {sorted(unknown)}; choose from {sorted(LOAD_KWARGS)}")
+
+    @property
+    def arm_list(self) -> list[str]:
+        return self.arms.split(",")
 
 
 def resident_bytes() -> dict[str, int]:
@@ -95,27 +111,30 @@ class FollowText(LogitsProcessor):
 def build(args: Args, folder: Path) -> None:
     """Save the model and the text (prompts + continuations, `(8, prompt_len + new_tokens)`) to `folder`."""
     torch.manual_seed(0)
-    ids = real_text_ids(args.vocab_size, 400_000)
+    ids = real_text_ids(args.vocab_size, args.text_tokens, args.text_chars)
+    split, length = 3 * len(ids) // 4, args.prompt_len + args.new_tokens
+    stride = min(5000, (len(ids) - split - length) // 7)
+    if stride < 1:
+        raise ValueError(f"--text_tokens {args.text_tokens}: {len(ids)} tokens of text leave too few after the "
+                         f"allocation's {split} for 8 sequences of {length}; raise --text_tokens or --text_chars")
     config = L3GPTConfig.from_depth(
         args.num_hidden_layers, vocab_size=args.vocab_size, aspect_ratio=args.hidden_size // args.num_hidden_layers,
         head_dim=min(128, args.hidden_size), window_pattern="L", l3_after_layers=[args.l3_after_layer],
         l3_n_emb=args.l3_n_emb, l3_k_max=args.l3_k_max,
     )
     model = L3GPTForCausalLM(config)
-    model.set_l3_allocation(lzw_allocation([ids[:300_000].tolist()], config.vocab_size, args.l3_n_emb, args.l3_k_max))
+    model.set_l3_allocation(lzw_allocation([ids[:split].tolist()], config.vocab_size, args.l3_n_emb, args.l3_k_max))
     with torch.no_grad():  # non-zero output projections, so that every layer (L3 included) shapes the logits
         for param in model.parameters():
             if param.ndim == 2 and not param.any():
                 param.normal_(std=0.02)
     model.to(getattr(torch, args.dtype)).save_pretrained(folder)
-    length = args.prompt_len + args.new_tokens
-    text = ids[300_000:].unfold(0, length, 5000)[:8]  # 8 sequences, 5000 tokens apart
+    text = ids[split:].unfold(0, length, stride)[:8]  # 8 sequences, `stride` tokens apart
     torch.save(text.clone(), folder / "text.pt")
 
 
-def measure_child(args: Args) -> dict:
-    arm, folder = args.child.split(":", 1)
-    folder = Path(folder)
+def measure_arm(args: Args, arm: str, folder: Path) -> dict:
+    """Load the model of `folder` as `arm` says and generate, in this process (call it in a fresh one)."""
     text = torch.load(folder / "text.pt")
     cuda = args.device == "cuda"
     rss_before = resident_bytes()
@@ -165,33 +184,31 @@ def touched_table_bytes(args: Args, folder: Path) -> int:
     return rows * args.hidden_size * getattr(torch, args.dtype).itemsize
 
 
-def main(args: Args) -> None:
-    if args.child:
-        print(json.dumps(measure_child(args)))
-        return
+def main(args: Args) -> dict:
+    """Build, then measure every arm `rounds` times, each in a fresh process; returns (and with `--json` writes) the
+    results (see `report`)."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         build(args, folder)
         table_bytes = args.l3_n_emb * args.hidden_size * getattr(torch, args.dtype).itemsize
-        runs = {arm: [] for arm in ARMS[args.device]}
+        runs = {arm: [] for arm in args.arm_list}
         for _ in range(args.rounds):
             for arm in runs:
                 drop_from_page_cache(folder)
-                child = [sys.executable, __file__, *to_cli(args), "--child", f"{arm}:{folder}"]
-                output = subprocess.run(child, check=True, capture_output=True, text=True).stdout
-                runs[arm].append(json.loads(output.strip().splitlines()[-1]))
-        reference = torch.load(folder / f"logits_{ARMS[args.device][0]}.pt")
+                runs[arm].append(in_fresh_process(measure_arm, args, arm, folder))
+        reference = torch.load(folder / f"logits_{args.arm_list[0]}.pt")
         logit_diff = {arm: float((torch.load(folder / f"logits_{arm}.pt") - reference).abs().max()) for arm in runs}
         touched = touched_table_bytes(args, folder)
-    report(args, runs, logit_diff, table_bytes, touched)
+    return report(args, runs, logit_diff, table_bytes, touched)
 
 
-def report(args: Args, runs: dict, logit_diff: dict, table_bytes: int, touched: int) -> None:
-    """Print the table (medians over rounds; ratios against the first arm) and write the JSON."""
+def report(args: Args, runs: dict, logit_diff: dict, table_bytes: int, touched: int) -> dict:
+    """Print the table (medians over rounds; ratios against the first arm); returns and with `--json` writes
+    `{"args", "device", "table_bytes", "touched_table_bytes", "max_abs_logit_diff", "median", "runs"}`."""
     batches = [int(b) for b in args.batch_sizes.split(",")]
     median = {arm: {key: statistics.median(run[key] for run in arm_runs) for key in arm_runs[0]}
               for arm, arm_runs in runs.items()}
-    base = median[ARMS[args.device][0]]
+    base = median[args.arm_list[0]]
     print(f"\nL3 tables {table_bytes / 2**20:.0f} MB ({args.l3_n_emb} rows × {args.hidden_size}, {args.dtype}); "
           f"rows the text routes to: {touched / 2**20:.1f} MB; device={args.device}, "
           f"clock={'wall' if args.device == 'cuda' else 'process CPU'}")
@@ -206,12 +223,14 @@ def report(args: Args, runs: dict, logit_diff: dict, table_bytes: int, touched: 
             key = f"decode_tok_s_batch{b}"
             line += f"{f'{values[key]:.1f} ({values[key] / base[key]:.3f})':>22}"
         print(line + f"{logit_diff[arm]:>15.1e}")
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {os.cpu_count()} cores"
+    output = {"args": asdict(args), "device": device, "table_bytes": table_bytes, "touched_table_bytes": touched,
+              "max_abs_logit_diff": logit_diff, "median": median, "runs": runs}
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
-            "args": asdict(args), "table_bytes": table_bytes, "touched_table_bytes": touched,
-            "max_abs_logit_diff": logit_diff, "median": median, "runs": runs,
-        }, indent=2))
+        from hfl3.provenance import write_json_atomic
+
+        write_json_atomic(args.json, output)
+    return output
 
 
 if __name__ == "__main__":

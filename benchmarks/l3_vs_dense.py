@@ -2,8 +2,9 @@
 does nanochat master's dense core (value embeddings, smear, backout: issue 17) pay off against the one before?
 
 Four arms, trained through hfl3's product path (`L3GPTTrainer`, `PackedCollator`, `BitsPerByte`) on the Gutenberg
-novels in ../shared/assets/text/gutenberg, validated on one held-out novel, each for every seed, arms interleaved
-(seed 0: a, b, c; seed 1: a, b, c) so that load drift on a shared machine hits all arms alike:
+novels of the assets' text/gutenberg folder (see benchmarks/common.py), validated on one held-out novel, each for
+every seed, arms interleaved (seed 0: a, b, c; seed 1: a, b, c) so that load drift on a shared machine hits all arms
+alike:
 
 - `dense_legacy` the dense L3GPT without nanochat master's features (`LEGACY_FIELD_VALUES`: the core before
   issue 17, what a config.json written before it loads as);
@@ -38,9 +39,9 @@ parameters split into dense and lookup tables (L3 tables and value embeddings: r
 """
 
 import copy
-import multiprocessing
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,22 +52,25 @@ import torch
 from transformers import HfArgumentParser, TrainerCallback, set_seed
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.callbacks import l3_lookup_flops_per_token, flops_per_token
-from hfl3.data import text
+from hfl3.callbacks import flops_per_token
+from l3_flops import l3_lookup_flops_per_token
+import text_corpus as text
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES
 from hfl3.provenance import write_json_atomic
 from hfl3.tokenization import token_bytes, train_tokenizer
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 
-ASSETS = Path(os.environ.get("HFL3_ASSETS", Path(__file__).resolve().parents[2] / "shared" / "assets"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import find_asset, in_fresh_process, shown_path  # noqa: E402
+
 ARMS = ("dense_legacy", "dense", "l3", "dense_wide")
 COMPARISONS = (("l3", "dense"), ("l3", "dense_wide"), ("dense", "dense_legacy"))  # (arm, reference) pairs printed
 
 
 @dataclass
 class BenchmarkArguments:
-    text_dir: str = field(default=str(ASSETS / "text" / "gutenberg"), metadata={"help": "folder of *.txt novels"})
+    text_dir: str | None = field(default=None, metadata={"help": "folder of *.txt novels (default: the assets')"})
     validation_file: str = field(default="pg11_alice_in_wonderland.txt",
                                  metadata={"help": "novel in text_dir held out for validation"})
     vocab_size: int = field(default=2048, metadata={"help": "BPE vocabulary trained on the training novels"})
@@ -96,6 +100,8 @@ class BenchmarkArguments:
     plot: str | None = field(default=None, metadata={"help": "write val bpb vs FLOPs and vs seconds here (PNG)"})
 
     def __post_init__(self):
+        if self.text_dir is None:
+            self.text_dir = str(find_asset("text/gutenberg"))
         unknown = set(self.arms) - set(ARMS)
         if unknown:
             raise ValueError(f"--arms has {sorted(unknown)}; choose from {list(ARMS)}")
@@ -276,22 +282,6 @@ def peak_training_memory(args, config, allocation, tokenizer, packed, output_dir
     return peak.peak_bytes
 
 
-def in_child(function, *arguments, env: dict[str, str] | None = None):
-    """Run `function(*arguments)` in a fresh spawned process (clean allocator and peak-RSS state) and return its
-    result; `env` is added to the child's environment."""
-    saved = {key: os.environ.get(key) for key in env or {}}
-    os.environ.update(env or {})
-    try:
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            return pool.apply(function, arguments)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key)
-            else:
-                os.environ[key] = value
-
-
 def at_budget(points: list[dict], key: str, budget: float) -> float:
     """Val bpb of a curve linearly interpolated at `budget` of `key` (flops, seconds or cpu_seconds)."""
     return float(np.interp(budget, [p[key] for p in points], [p["bpb"] for p in points]))
@@ -392,15 +382,15 @@ def main(args: BenchmarkArguments) -> dict:
         for arm in args.arms:
             # glibc's dynamic mmap threshold would let freed blocks linger in the heap and make RSS depend on
             # history; a fixed threshold returns every large tensor to the OS when freed, so RSS tracks live bytes.
-            memory[arm] = in_child(peak_training_memory, args, configs[arm], allocation, tokenizer, packed, scratch,
-                                   env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+            memory[arm] = in_fresh_process(peak_training_memory, args, configs[arm], allocation, tokenizer, packed,
+                                           scratch, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
         for seed in args.seeds:
             for arm in args.arms:
-                runs.append(in_child(train_arm, args, arm, configs[arm], allocation, fpts[arm], tokenizer, packed,
-                                     seed, scratch))
+                runs.append(in_fresh_process(train_arm, args, arm, configs[arm], allocation, fpts[arm], tokenizer,
+                                             packed, seed, scratch))
     summary = summarize(runs, args.arms, memory)
     print_summary(summary, args)
-    results = {"args": asdict(args), "routed_mean_rows": routed_mean_rows,
+    results = {"args": asdict(args) | {"text_dir": shown_path(args.text_dir)}, "routed_mean_rows": routed_mean_rows,
                "train_tokens": int(train_ids.size), "configs": {a: c.to_dict() for a, c in configs.items()},
                "summary": summary, "runs": runs, "peak_memory_bytes": memory, "torch_threads": torch.get_num_threads()}
     if args.json:

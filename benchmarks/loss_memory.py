@@ -11,10 +11,7 @@ leave the RSS), median time of `--repeats` steps, and the loss and gradient norm
     python benchmarks/loss_memory.py --device cuda --batch_size 16 --seq_len 2048 --bf16 true
 """
 
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,7 +24,8 @@ from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.models.l3gpt.linear_cross_entropy import liger_applies
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from l3_forward import cpu_resident_bytes, to_cli  # noqa: E402
+from common import in_fresh_process  # noqa: E402
+from l3_forward import cpu_resident_bytes  # noqa: E402
 
 PATHS = ("plain", "chunked")
 
@@ -41,7 +39,6 @@ class Args:
     bf16: bool = field(default=False, metadata={"help": "bf16 autocast (as the Trainer's --bf16)"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     repeats: int = field(default=3, metadata={"help": "timed steps per path (median reported)"})
-    child: str | None = field(default=None, metadata={"help": "internal: measure this path in this process"})
     json: str | None = field(default=None, metadata={"help": "write the results as JSON here"})
 
 
@@ -64,7 +61,8 @@ def peak_growth(run, device: str):
     return run(), cpu_resident_bytes(peak=True) - before
 
 
-def measure_child(args: Args) -> dict:
+def measure_path(args: Args, path: str) -> dict:
+    """One path's step in this process (call it in a fresh one: the peak is the process's own)."""
     torch.manual_seed(0)
     config = L3GPTConfig.from_depth(args.hidden_size // 64, vocab_size=args.vocab_size, head_dim=128,
                                     l3_after_layers=[], max_position_embeddings=args.seq_len)
@@ -72,30 +70,25 @@ def measure_child(args: Args) -> dict:
     with torch.no_grad():
         model.lm_head.weight.normal_(std=0.05)  # nanochat's 0.001 init would make every logit ~0
     ids = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len), device=args.device)
-    loss, peak = peak_growth(lambda: step(model, ids, args.child, args.bf16), args.device)
+    loss, peak = peak_growth(lambda: step(model, ids, path, args.bf16), args.device)
     grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
     times = []
     for _ in range(args.repeats):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        step(model, ids, args.child, args.bf16)
+        step(model, ids, path, args.bf16)
         times.append(time.perf_counter() - start)
-    return {"path": args.child, "peak_bytes": peak, "seconds": statistics.median(times), "loss": loss.item(),
+    return {"path": path, "peak_bytes": peak, "seconds": statistics.median(times), "loss": loss.item(),
             "grad_norm": grad_norm, "threads": torch.get_num_threads()}
 
 
-def main(args: Args) -> None:
-    if args.child:
-        print(json.dumps(measure_child(args)))
-        return
+def main(args: Args) -> dict:
+    """Both paths, each in a fresh process; returns (and with `--json` writes) `{"args", "versions", "fused",
+    "logits_bytes", "results": [plain, chunked]}`."""
     fused = "liger" if liger_applies(torch.empty(0, device=args.device)) else "chunked (PyTorch)"
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    results = {}
-    for path in PATHS:
-        child = [sys.executable, __file__, *to_cli(args), "--child", path]
-        output = subprocess.run(child, check=True, capture_output=True, text=True, env=env).stdout
-        results[path] = json.loads(output.strip().splitlines()[-1])
-    plain, chunked = results["plain"], results["chunked"]
+    # glibc's fixed mmap threshold returns every freed large tensor to the OS, so the RSS tracks live tensors
+    plain, chunked = (in_fresh_process(measure_path, args, path, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+                      for path in PATHS)
     logits_bytes = args.batch_size * args.seq_len * args.vocab_size * 4
     print(f"\nL3GPT training forward+backward, B={args.batch_size} T={args.seq_len} V={args.vocab_size} "
           f"C={args.hidden_size}, {args.device}{' bf16 autocast' if args.bf16 else ''}, memory-light loss: {fused}; "
@@ -107,11 +100,13 @@ def main(args: Args) -> None:
               f"{r['seconds']:>8.2f}{r['seconds'] / plain['seconds']:>7.2f}{r['loss']:>10.5f}{r['grad_norm']:>11.5f}")
     print(f"|Δ loss| = {abs(chunked['loss'] - plain['loss']):.2e}, "
           f"relative Δ grad norm = {abs(chunked['grad_norm'] / plain['grad_norm'] - 1):.2e}")
-    if args.json:
-        from hfl3.provenance import package_versions, write_json_atomic
+    from hfl3.provenance import package_versions, write_json_atomic
 
-        write_json_atomic(args.json, {"args": asdict(args), "versions": package_versions(), "fused": fused,
-                                      "logits_bytes": logits_bytes, "results": [plain, chunked]})
+    output = {"args": asdict(args), "versions": package_versions(), "fused": fused, "logits_bytes": logits_bytes,
+              "results": [plain, chunked]}
+    if args.json:
+        write_json_atomic(args.json, output)
+    return output
 
 
 if __name__ == "__main__":

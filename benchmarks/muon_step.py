@@ -37,8 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import HfArgumentParser
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.optim import MuonAdamW, muon_momentum, normuon_rescale, orthogonalize, param_groups_by_kind
-from hfl3.optim.muon import _orthogonalize_dtype
+from hfl3.optim import MuonAdamW, MuonSettings, muon_momentum, normuon_rescale, orthogonalize, param_groups_by_kind
 from hfl3.optim.muon_scaling import equilibrate, renormalize
 from hfl3.provenance import write_json_atomic
 
@@ -101,7 +100,7 @@ class PerParameterMuonAdamW:
                 state["second_moment"] = torch.zeros((rows, 1) if rows >= cols else (1, cols), device=param.device)
             state["momentum_buffer"].lerp_(param.grad, 1 - momentum)
             update = param.grad.lerp(state["momentum_buffer"], momentum)
-            dtype = _orthogonalize_dtype(group["orthogonalize_dtype"], param.device)
+            dtype = MuonSettings.from_group(group).orthogonalize_dtype_on(param.device)
             if group["muon_eq"] is not None:
                 update = equilibrate(update, group["muon_eq"])
             update = orthogonalize(update, group["ns_coefficients"], norm_safety=group["ns_norm_safety"],

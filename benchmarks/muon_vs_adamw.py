@@ -41,17 +41,20 @@ from transformers.utils import logging as hf_logging
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data.sft import split_indices
-from hfl3.data.text import chunk_documents, load_corpus, pack_best_fit, tokenize_documents
+from text_corpus import chunk_documents, load_corpus, pack_best_fit, tokenize_documents
 from hfl3.models.l3gpt.allocation import lzw_allocation
 from hfl3.optim import MuonAdamW, create_muon_optimizer, param_groups_by_kind
 from hfl3.tokenization import token_bytes, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+from common import find_asset  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--assets", default=os.environ.get("HFL3_ASSETS", str(REPO_ROOT.parent / "shared" / "assets")))
+    parser.add_argument("--text", default=None, help="folder with tinyshakespeare.txt and gutenberg/ (default: the "
+                        "assets', see benchmarks/common.py)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eval_every", type=int, default=20)
     parser.add_argument("--warmup_steps", type=int, default=10)
@@ -78,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_data(args):
     """Packed train rows, validation rows and token byte lengths from Tiny Shakespeare + the Gutenberg novels."""
-    text = Path(args.assets) / "text"
+    text = Path(args.text) if args.text else find_asset("text/tinyshakespeare.txt").parent
     corpus, _ = load_corpus(f"{text / 'tinyshakespeare.txt'},{text / 'gutenberg'}")
     train_docs, val_docs = (corpus.select(i) for i in split_indices(len(corpus), val_split=0.1, seed=args.seed))
     # pieces of ~3 characters per token of context, so that packing seldom has to crop a document

@@ -10,14 +10,18 @@ Rows (each in a fresh process, so peak memory is its own):
 - `trl_default`: `SFTTrainer` on the conversational records with `SFTConfig` defaults (activation checkpointing on,
   bf16 on, no packing, loss on every token: TRL cannot mask the stock Qwen3 template) and `LoraConfig` q/v r=16;
   on a CPU `use_cpu=True` is added, without which the default bf16 refuses to start.
-- `trl_matched`: the same with the recipe's CPU precision and checkpointing (fp32, no activation checkpointing).
-- `hfl3`: the recipe's `build_trainer` from `recipes/configs/sft_gsm8k.yaml` (assistant-only masks; off GPU the loss is a
-  chunked linear + cross-entropy over the supervised positions, `add_supervised_nll`).
+- `trl_matched`: the same with the recipe's precision and checkpointing (bf16 on a bf16 CUDA GPU, else fp32; no
+  activation checkpointing).
+- `trl_liger`: `trl_matched` with `use_liger_kernel=True` (Liger's fused linear cross-entropy and kernels for the
+  model; needs liger-kernel and a CUDA GPU).
+- `hfl3`: the recipe's `build_trainer` from `recipes/configs/sft_gsm8k.yaml` (assistant-only masks; off GPU the loss is
+  a chunked linear + cross-entropy over the supervised positions, `add_supervised_nll`).
 - `hfl3_packed`: the same with `--packing` (TRL's best-fit decreasing, padding-free).
 
 Measured over the steps after `--timing_warmup`: `tokens/s` counts non-padding tokens through the model (TRL's
 `num_tokens`, the same counter in both trainers), `supervised/s` the tokens that carry loss; peak memory is the
-process's max RSS on CPU, `torch.cuda.max_memory_allocated` on a GPU. Ratios are against `trl_default`. On a
+process's max RSS on CPU, `torch.cuda.max_memory_allocated` on a GPU. Ratios are against `--reference` (default
+`trl_default`). On a
 shared machine use `--repeats 2` or more: the rows then run in turn and each keeps its fastest run. There, also
 compare `tokens/CPU s` (non-padding tokens per second of the process's CPU time) under `OMP_NUM_THREADS=1`: with one
 thread it hardly moves with the other jobs' load, where wall-clock tokens/s moved 3× between two identical runs.
@@ -26,29 +30,33 @@ thread it hardly moves with the other jobs' load, where wall-clock tokens/s move
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ASSETS = Path(os.environ.get("HFL3_ASSETS", REPO.parent / "shared" / "assets"))
-ROWS = ("trl_default", "trl_matched", "hfl3", "hfl3_packed")
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import find_asset, in_fresh_process, shown_path  # noqa: E402
+
+ROWS = ("trl_default", "trl_matched", "trl_liger", "hfl3", "hfl3_packed")
 
 
-def save_tiny_qwen3(folder: Path, hidden: int, layers: int) -> Path:
-    """A randomly initialised Qwen3 (tied embeddings, GQA 4/2 heads) with the real Qwen3 tokenizer."""
+def save_tiny_qwen3(folder: Path, hidden: int, layers: int, heads: int = 4) -> Path:
+    """A randomly initialised Qwen3 (tied embeddings, GQA with `heads` query and `heads / 2` key/value heads of
+    width `hidden / heads`) with the real Qwen3 tokenizer."""
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tokenizers" / "qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(find_asset("tokenizers/qwen3"))
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=1024,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        num_attention_heads=heads, num_key_value_heads=heads // 2, head_dim=hidden // heads,
+        max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(folder)
@@ -83,6 +91,7 @@ def supervised_fraction(dataset) -> float:
 
 
 def worker(row: str, args) -> dict:
+    """Train `row` in this process (call it in a fresh one: the peak memory is the process's own)."""
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -104,8 +113,9 @@ def worker(row: str, args) -> dict:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         # SFTConfig's default bf16=True refuses to start on a CPU unless use_cpu is set (then: CPU bf16 autocast)
         extra = {"use_cpu": not torch.cuda.is_available()}
-        if row == "trl_matched":
-            extra.update(bf16=False, gradient_checkpointing=False)
+        if row in ("trl_matched", "trl_liger"):  # the recipe's defaults (hfl3.trainers.sft.SFTLoRAConfig)
+            extra.update(bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+                         gradient_checkpointing=False, use_liger_kernel=row == "trl_liger")
         trainer = SFTTrainer(
             model=model, args=SFTConfig(**common, **extra), processing_class=tokenizer,
             train_dataset=Dataset.from_list([{"messages": list(r.messages)} for r in records]),
@@ -144,56 +154,58 @@ def worker(row: str, args) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=str(ASSETS / "chat" / "gsm8k_messages_train.jsonl"))
+    parser.add_argument("--data", default=None, help="chat JSONL (default: the GSM8K train split of the assets)")
     parser.add_argument("--model", default=None, help="model folder (default: a tiny Qwen3 built in --work)")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (key/value heads: half)")
     parser.add_argument("--n_train", type=int, default=1024, help="first N records of --data")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--max_length", type=int, default=512)
     parser.add_argument("--max_steps", type=int, default=25)
-    parser.add_argument("--timing_warmup", type=int, default=3, help="steps left out of the timing")
-    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--timing_warmup", type=int, default=3, help="steps left out of the timing (>= 1)")
+    parser.add_argument("--rows", default="trl_default,trl_matched,hfl3,hfl3_packed", help=f"some of {ROWS}")
+    parser.add_argument("--reference", default="trl_default", help="the row the ratios are against")
     parser.add_argument("--repeats", type=int, default=1, help="run the rows this many times in turn; keep the best")
     parser.add_argument("--work", default=str(REPO / "outputs" / "bench_sft"))
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--save_model", default=None, help="only write the tiny Qwen3 to this folder and exit")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    unknown = set(args.rows.split(",")) - set(ROWS)
+    if unknown:
+        parser.error(f"--rows: unknown {sorted(unknown)}; choose from {','.join(ROWS)}")
+    if not 1 <= args.timing_warmup < args.max_steps:
+        parser.error(f"--timing_warmup {args.timing_warmup} must be >= 1 and below --max_steps {args.max_steps}")
+    if "trl_liger" in args.rows.split(",") and importlib.util.find_spec("liger_kernel") is None:
+        parser.error("--rows trl_liger needs liger-kernel (pip install liger-kernel; its kernels need a CUDA GPU)")
+    if args.data is None:
+        args.data = str(find_asset("chat/gsm8k_messages_train.jsonl"))
+    return args
 
-    if args.save_model:
-        print(f"wrote {save_tiny_qwen3(Path(args.save_model), args.hidden, args.layers)}")
-        return
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args)))
-        return
+
+def run(args: argparse.Namespace) -> dict:
+    """Each row of `args.rows` in a fresh process, `args.repeats` times in turn (the best run kept); prints the table
+    and returns (with `--json` also writes) `{"args", "versions", "reference", "results"}`."""
     Path(args.work).mkdir(parents=True, exist_ok=True)
     if args.model is None:
-        args.model = str(save_tiny_qwen3(Path(args.work) / "tiny_qwen3", args.hidden, args.layers))
+        args.model = str(save_tiny_qwen3(Path(args.work) / "tiny_qwen3", args.hidden, args.layers, args.heads))
     best: dict[str, dict] = {}
     for repeat in range(args.repeats):
         for row in args.rows.split(","):
-            command = [sys.executable, __file__, "--worker", row] + [
-                f"--{key}={value}" for key, value in vars(args).items()
-                if value is not None and key not in ("worker", "json", "repeats")
-            ]
             started = time.perf_counter()
-            done = subprocess.run(command, capture_output=True, text=True)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode != 0 or not lines:
-                sys.exit(f"{row} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-            result = json.loads(lines[-1][len("RESULT "):])
+            result = in_fresh_process(worker, row, args)
             print(f"run {repeat + 1}/{args.repeats} {row}: {result['tokens_per_s']:.0f} tokens/s "
                   f"({time.perf_counter() - started:.0f} s with start-up)", flush=True)
             if row not in best or result["tokens_per_s"] > best[row]["tokens_per_s"]:
                 best[row] = result
     results = list(best.values())
 
-    reference = next((r for r in results if r["row"] == "trl_default"), results[0])
+    reference = best.get(args.reference, results[0])
     print(f"\n{args.n_train} GSM8K chats, batch {args.batch_size}, max_length {args.max_length}, "
-          f"{args.max_steps} steps ({args.timing_warmup} warm-up), {results[0]['device']}")
+          f"{args.max_steps} steps ({args.timing_warmup} warm-up), {results[0]['device']}; ratios against "
+          f"{reference['row']}")
     header = (f"{'row':<12} {'tokens/s':>9} {'ratio':>6} {'supervised/s':>12} {'ratio':>6} {'tokens/CPU s':>12} "
               f"{'ratio':>6} {'s/step':>7} {'peak MiB':>9} {'ratio':>6}")
     print(header + "\n" + "-" * len(header))
@@ -202,14 +214,20 @@ def main() -> None:
               f"{r['supervised_per_s']:>12.0f} {r['supervised_per_s'] / reference['supervised_per_s']:>6.2f} "
               f"{r['tokens_per_cpu_s']:>12.0f} {r['tokens_per_cpu_s'] / reference['tokens_per_cpu_s']:>6.2f} "
               f"{r['s_per_step']:>7.2f} {r['peak_mib']:>9.0f} {r['peak_mib'] / reference['peak_mib']:>6.2f}")
-    if args.json:
-        from hfl3.provenance import package_versions, write_json_atomic
+    from hfl3.provenance import package_versions, write_json_atomic
 
-        # Paths relative to the repository: no absolute local path in a committed result
-        recorded = {key: os.path.relpath(value, REPO) if isinstance(value, str) and os.path.isabs(value) else value
-                    for key, value in vars(args).items()}
-        write_json_atomic(args.json, {"args": recorded, "versions": package_versions(), "results": results})
+    # Paths relative to the repository: no absolute local path in a committed result
+    recorded = {key: shown_path(value) if isinstance(value, str) and os.path.isabs(value) else value
+                for key, value in vars(args).items()}
+    output = {"args": recorded, "versions": package_versions(), "reference": reference["row"], "results": results}
+    if args.json:
+        write_json_atomic(args.json, output)
+    return output
 
 
 if __name__ == "__main__":
-    main()
+    parsed = parse_args()
+    if parsed.save_model:
+        print(f"wrote {save_tiny_qwen3(Path(parsed.save_model), parsed.hidden, parsed.layers, parsed.heads)}")
+    else:
+        run(parsed)

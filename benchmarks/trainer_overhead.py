@@ -25,6 +25,7 @@ On a shared 2-core box use `OMP_NUM_THREADS=1`: two OpenMP threads per process o
 
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,13 +38,14 @@ from transformers import HfArgumentParser, TrainerCallback, get_scheduler, set_s
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.callbacks import LossPlotCallback, ThroughputCallback, flops_per_token
-from hfl3.data import text
+import text_corpus as text
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.provenance import write_json_atomic
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
 
-ASSETS = Path(os.environ.get("HFL3_ASSETS", Path(__file__).resolve().parents[2] / "shared" / "assets"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import find_asset, shown_path  # noqa: E402
 
 
 # Sizes when a field is left unset: a tiny model on CPU, nanochat's d12 on a GPU.
@@ -53,7 +55,7 @@ GPU_SIZES = dict(vocab_size=32768, seq_len=2048, batch_size=16, depth=12, head_d
 
 @dataclass
 class OverheadArguments:
-    text_file: str = field(default=str(ASSETS / "text" / "tinyshakespeare.txt"), metadata={"help": "training text"})
+    text_file: str | None = field(default=None, metadata={"help": "training text (default: tinyshakespeare.txt)"})
     vocab_size: int | None = field(default=None, metadata={"help": "BPE vocabulary (2048 CPU, 32768 CUDA)"})
     seq_len: int | None = field(default=None, metadata={"help": "packed row length, tokens (128 CPU, 2048 CUDA)"})
     batch_size: int | None = field(default=None, metadata={"help": "rows per step (8 CPU, 16 CUDA)"})
@@ -61,6 +63,7 @@ class OverheadArguments:
     aspect_ratio: int = field(default=64, metadata={"help": "hidden_size = depth * aspect_ratio"})
     head_dim: int | None = field(default=None, metadata={"help": "attention head width (64 CPU, 128 CUDA)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model in both paths"})
+    bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast in both paths (default: on CUDA)"})
     l3_after_layers: list[int] = field(default_factory=lambda: [0], metadata={"help": "L3 layers"})
     dense: bool = field(default=False, metadata={"help": "no L3 layer (ignore l3_after_layers)"})
     optim: str = field(default="muon", metadata={"help": "muon (MuonAdamW) or adamw_torch (PretrainConfig.optim)"})
@@ -73,6 +76,10 @@ class OverheadArguments:
         for name, default in (GPU_SIZES if torch.cuda.is_available() else CPU_SIZES).items():
             if getattr(self, name) is None:
                 setattr(self, name, default)
+        if self.bf16 is None:
+            self.bf16 = torch.cuda.is_available()
+        if self.text_file is None:
+            self.text_file = str(find_asset("text/tinyshakespeare.txt"))
 
 
 def synchronize() -> None:
@@ -110,7 +117,7 @@ def build_model(args: OverheadArguments, tokenizer, allocation_sample, seed: int
 
 def plain_loop(model, training_args: PretrainConfig, dataset, collator):
     """The plain PyTorch equivalent of the Trainer's step; a generator that performs one step per `next()`."""
-    if training_args.optim == "muon":
+    if training_args.use_muon:
         from hfl3.optim import create_muon_optimizer
 
         optimizer = create_muon_optimizer(model, training_args, num_training_steps=training_args.max_steps)
@@ -131,7 +138,7 @@ def plain_loop(model, training_args: PretrainConfig, dataset, collator):
     )
     model.train()
     forward = torch.compile(model) if training_args.torch_compile else model
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=training_args.bf16)
+    autocast = torch.autocast(training_args.device.type, dtype=torch.bfloat16, enabled=training_args.bf16)
     for batch in DataLoader(dataset, batch_size=training_args.per_device_train_batch_size, collate_fn=collator):
         batch = {key: value.to(training_args.device) for key, value in batch.items()}
         num_items_in_batch = batch["labels"][:, 1:].ne(-100).sum()
@@ -176,7 +183,7 @@ def run_round(args: OverheadArguments, tokenizer, packed, allocation_sample, out
         optim=args.optim, warmup_steps=3, eval_strategy="no", train_sampling_strategy="sequential",
         logging_steps=min(10, steps),
         report_to="none", seed=seed, dataloader_num_workers=0, dataloader_pin_memory=False,
-        bf16=torch.cuda.is_available(), torch_compile=args.compile,
+        bf16=args.bf16, torch_compile=args.compile, use_cpu=not torch.cuda.is_available(),  # bf16 on a CPU needs it
     )
     collator = PackedCollator(tokenizer.bos_token_id)
     alternating = AlternatingSteps(plain_loop(plain_model, training_args, packed, collator))
@@ -205,7 +212,8 @@ def main(args: OverheadArguments) -> dict:
     paired = [a / b for a, b in zip(trainer_times, plain_times)]
     medians = {"trainer": statistics.median(trainer_times), "plain": statistics.median(plain_times)}
     results = {
-        "args": asdict(args), "torch_threads": torch.get_num_threads(), "median_seconds": medians,
+        "args": asdict(args) | {"text_file": shown_path(args.text_file)}, "torch_threads": torch.get_num_threads(),
+        "median_seconds": medians,
         "ratio_of_medians": medians["trainer"] / medians["plain"], "median_of_paired_ratios": statistics.median(paired),
         "ratio_of_means": statistics.mean(trainer_times) / statistics.mean(plain_times),
         "max_abs_param_difference": max(r["max_abs_param_difference"] for r in rounds),
@@ -216,7 +224,7 @@ def main(args: OverheadArguments) -> dict:
     results["device"] = device
     print(f"\nTrainer overhead on {device}: L3GPT depth {args.depth}, L3 after "
           f"{'none' if args.dense else args.l3_after_layers}, {args.optim}, batch {args.batch_size}×{args.seq_len}, "
-          f"compile {args.compile}, {'bf16' if torch.cuda.is_available() else 'fp32'}, {len(paired)} alternating step "
+          f"compile {args.compile}, {'bf16' if args.bf16 else 'fp32'}, {len(paired)} alternating step "
           f"pairs ({args.rounds} rounds)")
     print(f"{'path':<14}{'median ms':>10}{'mean ms':>9}{'p10 ms':>8}{'p90 ms':>8}{'tok/s':>8}")
     for name, times in (("plain loop", plain_times), ("hfl3 Trainer", trainer_times)):

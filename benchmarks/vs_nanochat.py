@@ -1,14 +1,21 @@
 """hfl3's pretraining step beside nanochat's own, at the same shape, on one GPU, in one run.
 
-Arms (each in a fresh subprocess, so compile caches and peak memory are its own):
+Arms (each in a fresh process, so compile caches and peak memory are its own):
 - `nanochat`: nanochat's GPT and its MuonAdamW from a checkout you provide (`--nanochat_dir`; not vendored), driven
   as in its scripts/base_train.py: model built on the meta device, `init_weights()`, `torch.compile(model,
   dynamic=False)`, `setup_optimizer()`, then `loss = model(x, y); loss.backward(); optimizer.step();
   model.zero_grad(set_to_none=True)`. Its attention is FA3 when its loader can fetch the kernel from the Hub, else
   its SDPA fallback (the case on an offline machine; the arm reports which).
 - `hfl3`: hfl3's real path: `L3GPTTrainer` (HF Trainer) with `MuonAdamW`, the recipe's `PackedCollator`,
-  `ThroughputCallback` and `LossPlotCallback`, bf16 on CUDA, `torch_compile` as asked.
+  `ThroughputCallback` and `LossPlotCallback`, bf16 autocast on CUDA, `torch_compile` as asked.
 - `hfl3_l3`: the same with one L3 layer after layer `depth // 2 - 1` (LZW allocation of the token stream).
+- `hfl3_legacy`: the same dense model without nanochat master's value embeddings, smear and backout
+  (`LEGACY_FIELD_VALUES`, the core before them), for the question whether the new core costs tokens/s.
+- `hfl3_fp8_tensorwise`, `hfl3_fp8_rowwise`: `hfl3` with `convert_to_float8_training(model, recipe)` before the
+  Trainer, as `recipes/pretrain.py --fp8 ...` does (bf16 autocast around the FP8 matmuls).
+- `hfl3_fp8_ao`: `hfl3` with FP8 through accelerate's torchao backend, launched as
+  `accelerate_configs/fp8_ao.yaml` launches it (its settings as environment variables, mixed precision fp8, no
+  `bf16`; accelerate's own layer filter).
 
 Same shape for all: `depth` layers, hidden = depth × 64 rounded up to a multiple of `head_dim`, rows of `seq_len`
 tokens, `batch_size` rows per step, vocabulary `vocab_size`, window pattern `window_pattern`, rows attending across
@@ -16,23 +23,24 @@ documents (nanochat does: no document mask). Token ids are random, drawn from a 
 routes frequent ids to big tables as real text does; nanochat reads `(x, y) = (row[:-1], row[1:])`.
 
 Timing: steps `warmup_steps + 1 … warmup_steps + steps` as one window, CUDA synchronised at both ends (compilation
-happens in the warm-up). tok/s = window tokens / window seconds. MFU = tok/s × FLOPs/token / peak bf16 FLOP/s
-(`hfl3.callbacks.PEAK_BF16_FLOPS`; H100 SXM 989e12); FLOPs/token from `hfl3.callbacks.flops_per_token` for hfl3 (plus
-the L3 lookups) and from nanochat's own `estimate_flops()` for nanochat (both 6 × matmul params + 12·L·H·Q·T, PaLM
-appendix B). Peak memory: `torch.cuda.max_memory_allocated()` over the whole arm (build, warm-up and window).
+happens in the warm-up). tok/s = window tokens / window seconds. `first_step_seconds` (start of training to the end
+of step 1) is where compilation happens: minus one window step, it is the compile time. MFU = tok/s × FLOPs/token /
+peak bf16 FLOP/s (`hfl3.callbacks.PEAK_BF16_FLOPS`; H100 SXM 989e12, also for the FP8 arms); FLOPs/token from
+`hfl3.callbacks.flops_per_token` for hfl3 (plus the L3 lookups) and from nanochat's own `estimate_flops()` for
+nanochat (both 6 × matmul params + 12·L·H·Q·T, PaLM appendix B). Peak memory: `torch.cuda.max_memory_allocated()`
+over the whole arm (build, warm-up and window).
 
     python benchmarks/vs_nanochat.py --nanochat_dir build/nanochat --json benchmarks/results/vs_nanochat_h100.json
     python benchmarks/vs_nanochat.py --arms hfl3 --compile false       # hfl3 alone, eager
+    python benchmarks/vs_nanochat.py --depth 20 --arms hfl3 hfl3_fp8_tensorwise hfl3_fp8_rowwise hfl3_fp8_ao
     python benchmarks/vs_nanochat.py                                   # no GPU: tiny shape on CPU, fp32, hfl3 only
 
 Get nanochat with `git clone https://github.com/karpathy/nanochat build/nanochat` (`build/` is git-ignored). Goals
 (issue 12): hfl3 dense ≥ 1.1× nanochat's tok/s (≥ 44 % MFU) with peak memory ≤ 1.1× nanochat's; hfl3 with L3 ≥
-0.9× hfl3 dense.
+0.9× hfl3 dense; FP8 tensorwise ≥ 1.2× bf16 at d20.
 """
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +51,18 @@ import numpy as np
 import torch
 from transformers import HfArgumentParser, TrainerCallback
 
-ARMS = ("nanochat", "hfl3", "hfl3_l3")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import in_fresh_process, shown_path  # noqa: E402
+
+# What each hfl3 arm changes: an L3 layer, the core before nanochat master's features, an FP8 recipe
+HFL3_ARMS = {
+    "hfl3": {}, "hfl3_l3": {"l3": True}, "hfl3_legacy": {"legacy_core": True},
+    "hfl3_fp8_tensorwise": {"fp8": "tensorwise"}, "hfl3_fp8_rowwise": {"fp8": "rowwise"}, "hfl3_fp8_ao": {"fp8": "ao"},
+}
+ARMS = ("nanochat", *HFL3_ARMS)
+# accelerate_configs/fp8_ao.yaml as the environment `accelerate launch` exports from it
+AO_ENVIRONMENT = {"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND": "AO",
+                  "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER": "false", "ACCELERATE_FP8_PAD_INNER_DIM": "true"}
 # Sizes when a field is left unset: nanochat's d12 on a GPU, a seconds-long model on CPU.
 GPU_SIZES = dict(depth=12, seq_len=2048, batch_size=16, vocab_size=32768, head_dim=128, steps=20, warmup_steps=10)
 CPU_SIZES = dict(depth=2, seq_len=128, batch_size=4, vocab_size=2048, head_dim=64, steps=5, warmup_steps=2)
@@ -53,7 +72,8 @@ BOS = 0
 @dataclass
 class VsNanochatArguments:
     nanochat_dir: str | None = field(default=None, metadata={"help": "a nanochat checkout; without it, hfl3 alone"})
-    arms: list[str] = field(default_factory=lambda: list(ARMS), metadata={"help": f"any of {ARMS}"})
+    arms: list[str] = field(default_factory=lambda: ["nanochat", "hfl3", "hfl3_l3"],
+                            metadata={"help": f"any of {ARMS}"})
     depth: int | None = field(default=None, metadata={"help": "decoder layers (default 12 on CUDA, 2 on CPU)"})
     seq_len: int | None = field(default=None, metadata={"help": "row length (default 2048 on CUDA, 128 on CPU)"})
     batch_size: int | None = field(default=None, metadata={"help": "rows per step (default 16 on CUDA, 4 on CPU)"})
@@ -61,23 +81,28 @@ class VsNanochatArguments:
     head_dim: int | None = field(default=None, metadata={"help": "head width (default 128 on CUDA, 64 on CPU)"})
     window_pattern: str = field(default="L", metadata={"help": "S/L pattern, as nanochat's --window_pattern"})
     compile: bool | None = field(default=None, metadata={"help": "torch.compile every arm (default: on CUDA)"})
+    bf16: bool | None = field(default=None, metadata={"help": "hfl3's bf16 autocast (default: on CUDA)"})
+    dataloader_num_workers: int | None = field(default=None, metadata={"help": "hfl3's loader (default 2 on CUDA)"})
     l3_k_max: int = field(default=64, metadata={"help": "most L3 rows per token (hfl3_l3)"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "hfl3's attention: sdpa, flash_attention_2"})
     steps: int | None = field(default=None, metadata={"help": "timed steps (default 20 on CUDA, 5 on CPU)"})
-    warmup_steps: int | None = field(default=None, metadata={"help": "untimed steps first (compilation)"})
+    warmup_steps: int | None = field(default=None, metadata={"help": "untimed steps first (compilation), >= 1"})
     json: str | None = field(default=None, metadata={"help": "write the results here (JSON)"})
-    arm: str | None = field(default=None, metadata={"help": "internal: run one arm in this process"})
-    result_file: str | None = field(default=None, metadata={"help": "internal: where the one arm writes"})
 
     def __post_init__(self):
-        for name, default in (GPU_SIZES if torch.cuda.is_available() else CPU_SIZES).items():
+        cuda = torch.cuda.is_available()
+        for name, default in (GPU_SIZES if cuda else CPU_SIZES).items():
             if getattr(self, name) is None:
                 setattr(self, name, default)
-        if self.compile is None:
-            self.compile = torch.cuda.is_available()
+        for name, default in (("compile", cuda), ("bf16", cuda), ("dataloader_num_workers", 2 if cuda else 0)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         unknown = set(self.arms) - set(ARMS)
         if unknown:
             raise ValueError(f"--arms: unknown {sorted(unknown)}; expected some of {ARMS}")
+        if self.warmup_steps < 1 or self.steps < 1:
+            raise ValueError(f"--warmup_steps {self.warmup_steps} and --steps {self.steps} must be >= 1 (the window "
+                             "starts at the end of the last warm-up step)")
         if "nanochat" in self.arms and not self.nanochat_dir:
             self.arms = [arm for arm in self.arms if arm != "nanochat"]
         if self.nanochat_dir and not (Path(self.nanochat_dir) / "nanochat" / "gpt.py").is_file():
@@ -105,59 +130,85 @@ def synchronize() -> None:
 
 
 class Window:
-    """Seconds between the end of step `first` and the end of step `last` (CUDA synchronised at both ends)."""
+    """Clock of one arm. `begin()` before the first step, `tick(step)` after every step; CUDA is synchronised only at
+    the steps it keeps. `first_step_seconds`: begin → end of step 1 (compilation happens there); `seconds`: end of
+    step `first` → end of step `last` (the timed window)."""
 
     def __init__(self, first: int, last: int):
-        self.first, self.last, self.start, self.seconds = first, last, None, None
+        self.first, self.last = first, last
+        self.began = self.start = self.seconds = self.first_step_seconds = None
+
+    def begin(self) -> None:
+        synchronize()
+        self.began = time.perf_counter()
 
     def tick(self, step: int) -> None:
+        if step not in (1, self.first, self.last):
+            return
+        synchronize()
+        now = time.perf_counter()
+        if step == 1:
+            self.first_step_seconds = now - self.began
         if step == self.first:
-            synchronize()
-            self.start = time.perf_counter()
-        elif step == self.last:
-            synchronize()
-            self.seconds = time.perf_counter() - self.start
+            self.start = now
+        if step == self.last:
+            self.seconds = now - self.start
 
 
 class WindowCallback(TrainerCallback):
     def __init__(self, window: Window):
         self.window = window
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.window.begin()
+
     def on_step_end(self, args, state, control, **kwargs):
         self.window.tick(state.global_step)
 
 
-def run_hfl3(args: VsNanochatArguments, with_l3: bool, output_dir: str) -> dict:
-    """hfl3's path: `L3GPTTrainer` + `MuonAdamW` + the recipe's collator and callbacks."""
+def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
+    """hfl3's path: `L3GPTTrainer` + `MuonAdamW` + the recipe's collator and callbacks, changed as `HFL3_ARMS[arm]`
+    says (L3 layer, legacy core, FP8)."""
     import datasets
 
-    from hfl3 import L3GPTConfig, L3GPTForCausalLM
-    from hfl3.callbacks import LossPlotCallback, ThroughputCallback, flops_per_token, l3_lookup_flops_per_token
+    from hfl3 import L3GPTConfig, L3GPTForCausalLM, fp8
+    from hfl3.callbacks import LossPlotCallback, ThroughputCallback, flops_per_token
+    from l3_flops import l3_lookup_flops_per_token
     from hfl3.models.l3gpt import lzw_allocation
+    from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES
     from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
 
+    change = HFL3_ARMS[arm]
     total = args.warmup_steps + args.steps
     rows = zipf_rows(args, total * args.batch_size, args.seq_len)
     config = L3GPTConfig.from_depth(
         args.depth, vocab_size=args.vocab_size, head_dim=args.head_dim, max_position_embeddings=args.seq_len,
         window_pattern=args.window_pattern, bos_token_id=BOS, attn_implementation=args.attn_implementation,
-        l3_after_layers=[max(0, args.depth // 2 - 1)] if with_l3 else [], l3_k_max=args.l3_k_max,
+        l3_after_layers=[max(0, args.depth // 2 - 1)] if change.get("l3") else [], l3_k_max=args.l3_k_max,
+        **(dict(LEGACY_FIELD_VALUES) if change.get("legacy_core") else {}),
     )
-    model = L3GPTForCausalLM(config)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):  # initialised where it trains: a d20 model's CPU init alone takes seconds
+        model = L3GPTForCausalLM(config)
     fpt = flops_per_token(config, args.seq_len)
-    if with_l3:
+    if config.l3_after_layers:
         allocation = lzw_allocation(rows[: max(1, 200_000 // args.seq_len)].tolist(), config.vocab_size,
                                     config.l3_n_emb, config.l3_k_max)
         model.set_l3_allocation(allocation)
         fpt += l3_lookup_flops_per_token(config, float(allocation.numpy()[rows].mean()))
+    recipe = change.get("fp8")
+    if recipe in ("tensorwise", "rowwise"):
+        fp8.convert_to_float8_training(model, recipe=recipe)
     window = Window(args.warmup_steps, total)
-    cuda = torch.cuda.is_available()
     training_args = PretrainConfig(
         output_dir=output_dir, max_steps=total, per_device_train_batch_size=args.batch_size, optim="muon",
-        bf16=cuda, torch_compile=args.compile, warmup_steps=2, eval_strategy="no", report_to="none",
-        logging_steps=args.steps, disable_tqdm=True, dataloader_num_workers=2 if cuda else 0,
-        attend_across_documents=True, save_strategy="no",
+        bf16=args.bf16 and recipe != "ao", torch_compile=args.compile, warmup_steps=2, eval_strategy="no",
+        report_to="none", logging_steps=args.steps, disable_tqdm=True, attend_across_documents=True,
+        dataloader_num_workers=args.dataloader_num_workers, save_strategy="no",
+        fp8=recipe if recipe != "ao" else None, use_cpu=device == "cpu",  # bf16 on a CPU needs use_cpu
     )
+    if recipe == "ao" and fp8.check_ao_backend(training_args, model) is None:
+        raise RuntimeError(f"hfl3_fp8_ao: accelerate's AO backend is not on; the arm needs {AO_ENVIRONMENT}")
     trainer = L3GPTTrainer(
         model=model, args=training_args, train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
         data_collator=PackedCollator(BOS, attend_across_documents=True),
@@ -166,14 +217,20 @@ def run_hfl3(args: VsNanochatArguments, with_l3: bool, output_dir: str) -> dict:
     )
     trainer.train()
     tables = sum(p.numel() for n, p in model.named_parameters() if "_table" in n)
-    return dict(flops_per_token=fpt, seconds=window.seconds, attention=args.attn_implementation,
-                dense_parameters=model.num_parameters() - tables, table_parameters=tables)
+    precision = f"fp8 {recipe}" + (" (accelerate's torchao backend)" if recipe == "ao" else " (hfl3 Float8Linear)")
+    return dict(flops_per_token=fpt, seconds=window.seconds, first_step_seconds=window.first_step_seconds,
+                attention=args.attn_implementation, dense_parameters=model.num_parameters() - tables,
+                table_parameters=tables, precision=precision if recipe else "bf16" if args.bf16 else "fp32")
 
 
 def run_nanochat(args: VsNanochatArguments) -> dict:
-    """nanochat's GPT + MuonAdamW, the loop of its scripts/base_train.py (no gradient accumulation)."""
+    """nanochat's GPT + MuonAdamW, the loop of its scripts/base_train.py (no gradient accumulation). Without
+    `args.compile` nothing is compiled, its optimizer step included (it compiles that itself: minutes on a CPU)."""
+    if not args.compile:
+        torch.compiler.set_stance("force_eager")
     sys.path.insert(0, str(Path(args.nanochat_dir).resolve()))
     from nanochat import flash_attention
+    from nanochat.common import COMPUTE_DTYPE
     from nanochat.gpt import GPT, GPTConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -192,6 +249,7 @@ def run_nanochat(args: VsNanochatArguments) -> dict:
     total = args.warmup_steps + args.steps
     rows = torch.from_numpy(zipf_rows(args, total * args.batch_size, args.seq_len + 1)).to(device)
     window = Window(args.warmup_steps, total)
+    window.begin()
     for step in range(total):
         batch = rows[step * args.batch_size : (step + 1) * args.batch_size]
         loss = model(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
@@ -199,58 +257,68 @@ def run_nanochat(args: VsNanochatArguments) -> dict:
         optimizer.step()
         model.zero_grad(set_to_none=True)
         window.tick(step + 1)
-    return dict(flops_per_token=fpt, seconds=window.seconds, dense_parameters=parameters, table_parameters=0,
+    return dict(flops_per_token=fpt, seconds=window.seconds, first_step_seconds=window.first_step_seconds,
+                dense_parameters=parameters, table_parameters=0, precision=str(COMPUTE_DTYPE).removeprefix("torch."),
                 attention="fa3" if flash_attention.USE_FA3 else "sdpa (nanochat's fallback)")
 
 
-def run_arm(args: VsNanochatArguments) -> None:
-    """Measure `args.arm` in this process and write its result to `args.result_file`."""
+def run_arm(args: VsNanochatArguments, arm: str) -> dict:
+    """Measure `arm` in this process (call it in a fresh one: peak memory and compile caches are per process)."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
-        result = run_nanochat(args) if args.arm == "nanochat" else run_hfl3(args, args.arm == "hfl3_l3", scratch)
+        result = run_nanochat(args) if arm == "nanochat" else run_hfl3(args, arm, scratch)
     from hfl3.callbacks import peak_flops_per_second
 
     peak = peak_flops_per_second()
     result["tok_per_sec"] = args.steps * args.batch_size * args.seq_len / result["seconds"]
     result["mfu"] = 100 * result["tok_per_sec"] * result["flops_per_token"] / peak if peak else None
     result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
-    Path(args.result_file).write_text(json.dumps(dict(arm=args.arm, **result)))
+    result["compile_seconds"] = result["first_step_seconds"] - result["seconds"] / args.steps
+    return dict(arm=arm, **result, arm_seconds=time.perf_counter() - started)
 
 
-def main(args: VsNanochatArguments) -> dict:
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} threads)"
-    results = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for arm in args.arms:
-            result_file = Path(scratch) / f"{arm}.json"
-            fields = {k: v for k, v in asdict(args).items() if v is not None and k not in ("arms", "json")}
-            command = [sys.executable, __file__, "--arm", arm, "--result_file", str(result_file)]
-            for key, value in fields.items():
-                command += [f"--{key}", str(value)]
-            started = time.perf_counter()
-            subprocess.run(command, check=True)
-            results.append(json.loads(result_file.read_text()) | {"wall_seconds": time.perf_counter() - started})
-            print(f"{arm}: {results[-1]['tok_per_sec']:.0f} tok/s", flush=True)
+def print_table(args: VsNanochatArguments, results: list[dict], device: str) -> dict:
+    """Print the arms' table, with ratios against nanochat (else hfl3, else the first arm); returns that arm."""
     by_arm = {r["arm"]: r for r in results}
     reference = by_arm.get("nanochat") or by_arm.get("hfl3") or results[0]
     print(f"\nPretraining step on {device}: depth {args.depth}, hidden {args.hidden_size}, batch {args.batch_size}×"
           f"{args.seq_len}, vocab {args.vocab_size}, window {args.window_pattern}, compile {args.compile}, "
           f"{args.steps} timed steps after {args.warmup_steps}; ratios against {reference['arm']}")
-    print(f"{'arm':<10}{'attention':<28}{'GFLOP/tok':>10}{'ms/step':>9}{'tok/s':>10}{'MFU %':>7}{'peak GB':>8}"
-          f"{'tok/s ×':>9}{'memory ×':>9}")
+    print(f"{'arm':<20}{'precision':<12}{'attention':<28}{'GFLOP/tok':>10}{'ms/step':>9}{'tok/s':>10}{'MFU %':>7}"
+          f"{'peak GB':>8}{'compile s':>10}{'tok/s ×':>9}{'memory ×':>9}")
     for r in results:
         memory_ratio = (f"{r['peak_memory_gb'] / reference['peak_memory_gb']:.3f}"
                         if r["peak_memory_gb"] and reference["peak_memory_gb"] else "n/a")
-        print(f"{r['arm']:<10}{r['attention']:<28}{r['flops_per_token'] / 1e9:>10.3f}"
+        print(f"{r['arm']:<20}{r['precision'][:11]:<12}{r['attention']:<28}{r['flops_per_token'] / 1e9:>10.3f}"
               f"{1e3 * r['seconds'] / args.steps:>9.1f}{r['tok_per_sec']:>10.0f}"
               f"{r['mfu'] if r['mfu'] is None else round(r['mfu'], 1)!s:>7}"
               f"{r['peak_memory_gb'] if r['peak_memory_gb'] is None else round(r['peak_memory_gb'], 1)!s:>8}"
-              f"{r['tok_per_sec'] / reference['tok_per_sec']:>9.3f}{memory_ratio:>9}")
+              f"{r['compile_seconds']:>10.1f}{r['tok_per_sec'] / reference['tok_per_sec']:>9.3f}{memory_ratio:>9}")
     if "hfl3" in by_arm and "hfl3_l3" in by_arm:
         print(f"hfl3 with L3 / hfl3 dense: {by_arm['hfl3_l3']['tok_per_sec'] / by_arm['hfl3']['tok_per_sec']:.3f}× "
               "tok/s (goal ≥ 0.9)")
-    output = {"args": asdict(args), "device": device, "torch": torch.__version__, "reference": reference["arm"],
+    return reference
+
+
+def main(args: VsNanochatArguments, on_result=None) -> dict:
+    """Run `args.arms`, each in a fresh process, one after the other; `on_result(result)` after each arm. Returns
+    (and with `--json` writes) `{"args", "device", "torch", "reference", "results"}`."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} threads)"
+    results = []
+    for arm in args.arms:
+        if arm == "nanochat":  # its Linear layers cast to this dtype at import (nanochat/common.py), no autocast
+            env = {"NANOCHAT_DTYPE": "bfloat16" if args.bf16 else "float32"}
+        else:
+            env = AO_ENVIRONMENT if HFL3_ARMS[arm].get("fp8") == "ao" else None
+        results.append(in_fresh_process(run_arm, args, arm, env=env))
+        print(f"{arm}: {results[-1]['tok_per_sec']:.0f} tok/s", flush=True)
+        if on_result:
+            on_result(results[-1])
+    reference = print_table(args, results, device)
+    recorded = asdict(args) | {"nanochat_dir": shown_path(args.nanochat_dir)}
+    output = {"args": recorded, "device": device, "torch": torch.__version__, "reference": reference["arm"],
               "results": results}
     if args.json:
         from hfl3.provenance import write_json_atomic
@@ -261,5 +329,4 @@ def main(args: VsNanochatArguments) -> dict:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parsed = HfArgumentParser(VsNanochatArguments).parse_args_into_dataclasses()[0]
-    run_arm(parsed) if parsed.arm else main(parsed)
+    main(HfArgumentParser(VsNanochatArguments).parse_args_into_dataclasses()[0])

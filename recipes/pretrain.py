@@ -8,23 +8,34 @@
     # one GPU
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/pretrain.py \
         --config recipes/configs/gutenberg.yaml --depth 12 --bf16
-    # nanochat's d12 on FineWeb-Edu, streamed from the Hub, 8 GPUs
+    # nanochat's d12 on FineWeb-Edu, streamed from the Hub, 8 GPUs, sized by the compute-optimal dial
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/pretrain.py \
         --config recipes/configs/fineweb_d12.yaml
+    # its plan only (parameters, FLOPs, steps, batch, LRs, weight decay), offline, no data read
+    python recipes/pretrain.py --config recipes/configs/fineweb_d12.yaml --dry_run
+    # + nanochat's CORE metric every 2000 steps and at the end (its eval bundle: --core_bundle_dir, or downloaded once)
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/pretrain.py \
+        --config recipes/configs/fineweb_d12.yaml --core_metric_every 2000 --core_metric_max_per_task 500
 
 The training data is a stream (`hfl3.data.streaming`): documents are read, tokenized and packed on the fly in each
 process's DataLoader workers (`--dataloader_num_workers`), memory flat in corpus size, and a checkpoint resumes it
 exactly. Outputs in `--output_dir`: model.safetensors + config.json + remote code, tokenizer, metadata.json (source
 files with sha256, split, the sha256 of the consumed token rows), README.md (model card), all_results.json
-(eval_bpb, train_loss and throughput over the whole run), loss.png. The folder is committed whole at the end
+(eval_bpb, train_loss and throughput over the whole run; with `--core_metric_every N`, the CORE metric of the
+final model, also in metadata.json and in the card's model-index), loss.png. The folder is committed whole at the end
 (`hfl3.trainers.outputs`): a non-empty `--output_dir` is refused unless the run resumes from it
 (`--resume_from_checkpoint latest`, which also uses the checkpoint's tokenizer and L3 allocation) or
 `--overwrite_output_dir` is given; checkpoints appear only when complete.
+
+The run is sized at start by nanochat's compute-optimal dial (`hfl3.trainers.compute_optimal`): steps from
+`--max_steps`, else `--target_flops`, else `--target_param_data_ratio` (12); `--total_batch_size` in tokens (-1: auto)
+with the gradient accumulation derived from it; LRs and weight decay rescaled to that batch and horizon. The plan is
+printed as a table and written to metadata.json (`compute_optimal`); `--dry_run` prints it and exits.
 """
 
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import hfl3  # noqa: F401  (before transformers: keeps torchao import-time warnings out of the launch, fp8/ao.py)
 import datasets
@@ -32,16 +43,18 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, set_seed
 from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
-from trl import TrlParser
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM, fp8, provenance
-from hfl3.callbacks import LossPlotCallback, SampleCallback, ThroughputCallback, flops_per_token
+from hfl3.callbacks import LossPlotCallback, SampleCallback, ThroughputCallback
 from hfl3.data import sources
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
+from hfl3.evaluate import CoreMetricCallback, check_core_bundle, core_bundle_for_training
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
+from hfl3.trainers.compute_optimal import REFERENCE_DEPTH, ComputeOptimalPlan, compute_optimal_plan
 from hfl3.trainers.guards import exit_on_training_error
+from hfl3.trainers.inputs import TOKENIZER, TOKENIZER_FILES, RecipeParser, check_corpus, check_pretrained
 from hfl3.trainers.launch import add_config_argument, check_launch, parse_recipe_args
 from hfl3.trainers.outputs import prepare_output_dir, work_dir
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
@@ -81,6 +94,8 @@ class ScriptArguments:
     # No trailing space: BPE words carry their leading space (" foo"), so "def " would end on a lone-space token
     sample_prompts: list[str] = field(default_factory=lambda: ["def", "import", "class"],
                                       metadata={"help": "prompts for greedy samples at eval time"})
+    dry_run: bool = field(default=False, metadata={"help": "print the compute-optimal plan and exit before reading "
+                                                   "data (vocabulary: --tokenizer_name_or_path's, else --vocab_size)"})
 
 
 @dataclass
@@ -105,18 +120,47 @@ class ModelArguments:
     attn_implementation: str | None = field(default=None, metadata={"help": "sdpa (default), eager or "
                                                                     "flash_attention_2"})
 
-    def config(self, tokenizer, max_length: int) -> L3GPTConfig:
-        """The `L3GPTConfig` for `tokenizer` (vocabulary, special tokens) and rows of `max_length` tokens."""
+    def config(self, vocab_size: int, max_length: int, **token_ids) -> L3GPTConfig:
+        """The `L3GPTConfig` for a vocabulary of `vocab_size` tokens, rows of `max_length` tokens and the tokenizer's
+        `bos_token_id` / `eos_token_id` / `pad_token_id` (`token_ids`)."""
         given = {k: v for k, v in asdict(self).items() if v is not None and k != "depth"}
-        return L3GPTConfig.from_depth(self.depth, vocab_size=len(tokenizer), max_position_embeddings=max_length,
-                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id, **given)
+        return L3GPTConfig.from_depth(self.depth, vocab_size=vocab_size, max_position_embeddings=max_length,
+                                      **token_ids, **given)
 
 
-def make_parser() -> TrlParser:
+def make_parser() -> RecipeParser:
     """`TrlParser` over the script, model and training arguments, in that order so that `--help` lists the recipe's
-    own options first (after `--config`); it returns them in that order too."""
-    return add_config_argument(TrlParser((ScriptArguments, ModelArguments, PretrainConfig)))
+    own options first (after `--config`); it returns them in that order too, after `check_inputs`."""
+    return add_config_argument(RecipeParser((ScriptArguments, ModelArguments, PretrainConfig), check_inputs))
+
+
+def check_inputs(script_args: ScriptArguments, model_args: ModelArguments, training_args: PretrainConfig) -> None:
+    """Every path and name given, checked by the parser before any heavy work (`hfl3.trainers.inputs`): a bad one
+    is an argument error (one line, exit status 2). The output folder, resume checkpoint and push:
+    `prepare_output_dir`.
+
+    Raises:
+        ValueError, OSError: one line naming the argument, the value and what was expected.
+    """
+    if not script_args.dry_run:  # a dry run reads no data and leaves the output folder alone: nothing to check there
+        prepare_output_dir(training_args)
+        check_corpus("dataset", script_args.dataset)
+        if script_args.eval_dataset:
+            check_corpus("eval_dataset", script_args.eval_dataset)
+        check_core_bundle(training_args)
+    if script_args.tokenizer_name_or_path:
+        check_pretrained("tokenizer_name_or_path", script_args.tokenizer_name_or_path, TOKENIZER, TOKENIZER_FILES)
+
+
+def plan_run(model_args: ModelArguments, training_args: PretrainConfig, vocab_size: int) -> ComputeOptimalPlan:
+    """nanochat's compute-optimal plan for this model at `vocab_size` (reference: the same model arguments at depth
+    12 without L3 layers, nanochat's `build_model_meta(12)`), its table logged by the main process."""
+    max_length = training_args.max_length
+    reference = replace(model_args, depth=REFERENCE_DEPTH, l3_after_layers=None).config(vocab_size, max_length)
+    plan = compute_optimal_plan(model_args.config(vocab_size, max_length), reference, training_args)
+    if training_args.process_index == 0:
+        logger.info("%s", plan.table())
+    return plan
 
 
 def open_data(script_args: ScriptArguments, seed: int) -> tuple[DocumentSource, DocumentSource]:
@@ -129,7 +173,7 @@ def open_data(script_args: ScriptArguments, seed: int) -> tuple[DocumentSource, 
     split = None if held_out else DocumentSplit(script_args.val_fraction, seed)
     return (DocumentSource(corpus, split, seed=seed),
             DocumentSource(held_out or corpus, split, validation=split is not None, seed=seed, shuffle_shards=False,
-                           passes=1))
+                           epochs=1))
 
 
 def prepare_tokenizer(script_args: ScriptArguments, training_args: PretrainConfig, documents: DocumentSource):
@@ -207,11 +251,24 @@ def data_metadata(script_args: ScriptArguments, data: PretrainData, consumed: di
 def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args: ModelArguments) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     set_seed(training_args.seed)
-    prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
+    if not script_args.dry_run:  # a dry run neither checks nor touches the output folder
+        prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
     check_launch(training_args)  # refuse a distributed setup that accelerate silently replaced
+    # Sized before any data work, with the vocabulary the run will have (a BPE is trained to --vocab_size)
+    tokenizer_source = (None if script_args.dry_run else training_args.resume_from_checkpoint) or \
+        script_args.tokenizer_name_or_path
+    plan = plan_run(model_args, training_args,
+                    len(load_tokenizer(tokenizer_source)) if tokenizer_source else script_args.vocab_size)
+    if script_args.dry_run:
+        return plan.as_dict()
+    core_bundle = core_bundle_for_training(training_args)  # --core_metric_every: read (or downloaded) before the data
     data = prepare_data(script_args, training_args, training_args.max_length)
     tokenizer = data.train.tokenizer
-    config = model_args.config(tokenizer, training_args.max_length)
+    config = model_args.config(len(tokenizer), training_args.max_length, bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if config.vocab_size != plan.vocab_size:  # a BPE trained on little text can stop short of --vocab_size
+        plan = plan_run(model_args, training_args, len(tokenizer))
+    training_args.apply_compute_optimal_plan(plan)
     model = L3GPTForCausalLM(config)
     if config.l3_after_layers and not training_args.resume_from_checkpoint:  # resuming: the checkpoint's
         sample = data.train.sample_documents(script_args.l3_sample_tokens)
@@ -234,18 +291,23 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
         data_collator=PackedCollator(tokenizer.bos_token_id, training_args.attend_across_documents),
         processing_class=tokenizer, compute_metrics=bpb,
         preprocess_logits_for_metrics=BitsPerByte.preprocess_logits_for_metrics,
-        callbacks=[ThroughputCallback(flops_per_token(config, training_args.max_length)),
+        callbacks=[ThroughputCallback(plan.flops_per_token),
                    LossPlotCallback(("loss", "eval_bpb"))],
     )
     if is_deepspeed_zero3_enabled():  # SampleCallback generates on rank 0 alone; ZeRO-3 needs every rank's shards
         logger.info("ZeRO-3: no samples at evaluation (SampleCallback generates on the main process only)")
     else:
         trainer.add_callback(SampleCallback(tokenizer, script_args.sample_prompts))
+    core = CoreMetricCallback(trainer, core_bundle, training_args.core_metric_every) if core_bundle else None
+    if core:
+        trainer.add_callback(core)
     # The step-0 evaluation runs inside train(): evaluate() before train() would leave the model without DDP (no
     # gradient all-reduce: accelerate marks it prepared for evaluation) and breaks DeepSpeed ZeRO
     training_args.eval_on_start = not training_args.resume_from_checkpoint
     train_metrics = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint).metrics
     metrics = {**train_metrics, **trainer.evaluate()}  # train_loss and throughput over the whole run
+    if core:  # evaluated at the end of training
+        metrics.update(core.latest.metrics())
     metrics["initial_eval_bpb"] = next((e["eval_bpb"] for e in trainer.state.log_history
                                         if e["step"] == 0 and "eval_bpb" in e), None)
     consumed = trainer.stream_summary()  # every rank: gathers what each one trained on
@@ -254,7 +316,8 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
     trainer.provenance = provenance.build_metadata(
         data=data_metadata(script_args, data, consumed),
         model=config.to_dict(), script_args=asdict(script_args), model_args=asdict(model_args),
-        training_args=training_args.to_dict(), results=metrics,
+        training_args=training_args.to_dict(), compute_optimal=plan.as_dict(), results=metrics,
+        evaluation={"core": core.latest.summary()} if core else {},
     )
     with trainer.finish_output():  # staged, committed whole: weights, tokenizer, metadata.json, card, results
         trainer.save_metrics("all", metrics)

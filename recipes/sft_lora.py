@@ -19,11 +19,15 @@ accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sft_lora.py 
 
 Any field can be overridden on the command line (`--help` lists the recipe's own first), e.g. `--lora_r 32
 --lora_target_modules all-linear`, `--val_split 0.05` or `--eval_file F`, `--early_stopping_patience 2`,
-`--packing`, `--merge`, `--push_to_hub --hub_model_id USER/NAME`.
+`--packing`, `--merge`, `--push_to_hub --hub_model_id USER/NAME` (with a local base model: `--base_model_hub_id
+USER/BASE`, unless the base folder's metadata.json names its Hub repository). Every path and name given is checked
+before any work (`check_inputs`): a mistyped one ends the run with one line and exit status 2.
 
-Outputs in `--output_dir`: the adapter (`peft.PeftModel.from_pretrained`), the tokenizer, `metadata.json` (data
-sha256, counts, split, base model, LoRA, arguments, versions, git commit; also in the safetensors header and
-README.md), `all_results.json`, `loss.png`, checkpoints, and with `--merge` a full model in `merged/`.
+Outputs in `--output_dir`: the adapter (`peft.AutoPeftModelForCausalLM.from_pretrained(output_dir)` from any working
+directory: a local base is named by its absolute path in `adapter_config.json`, a Hub base by its id, and the copy
+pushed to the Hub names the base's Hub id), the tokenizer, `metadata.json` (data sha256, counts, split, base model,
+LoRA, arguments, versions, git commit; also in the safetensors header and README.md), `all_results.json`,
+`loss.png`, checkpoints, and with `--merge` a full model in `merged/`.
 
 Packing (`--packing`, TRL's best-fit `bfd`) passes `position_ids` without an attention mask; transformers then keeps
 packed conversations apart (block-diagonal mask, or sequence boundaries for flash attention) in any model that uses
@@ -37,7 +41,7 @@ from pathlib import Path
 
 import hfl3  # noqa: F401  (registers L3GPT; before transformers: keeps torchao's import-time warnings out)
 from transformers import AutoModelForCausalLM, AutoTokenizer, EarlyStoppingCallback, GgufConfig
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, get_peft_config
 
 from hfl3.callbacks import save_loss_plot
 from hfl3.data.chat import write_chat_jsonl
@@ -47,7 +51,18 @@ from hfl3.generation import answer_prompts
 from hfl3.provenance import build_metadata, config_sha256, write_json_atomic
 from hfl3.trainers.guards import check_vocabulary_fits, exit_on_training_error
 from hfl3.trainers.launch import add_config_argument, check_launch, parse_recipe_args
-from hfl3.trainers.outputs import prepare_output_dir, work_dir
+from hfl3.trainers.inputs import (
+    MODEL,
+    MODEL_FILES,
+    TOKENIZER,
+    TOKENIZER_FILES,
+    RecipeParser,
+    check_file,
+    check_hub_repo,
+    check_pretrained,
+    is_hub_id,
+)
+from hfl3.trainers.outputs import base_model_hub_id, prepare_output_dir, work_dir
 from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig, save_merged_model
 
 logger = logging.getLogger("hfl3.recipes.sft_lora")
@@ -81,9 +96,9 @@ class SFTScriptArguments:
 @dataclass
 class SFTModelArguments(ModelConfig):
     """`trl.ModelConfig` with `use_peft` on, `lora_target_modules` `["q_proj", "v_proj"]` (a single name stays a
-    module name, not a regex), and `gguf_file`, `tokenizer_name_or_path` added."""
+    module name, not a regex), and `gguf_file`, `tokenizer_name_or_path`, `base_model_hub_id` added."""
 
-    _argument_group_name = "model and LoRA (trl.ModelConfig; gguf_file, tokenizer_name_or_path last)"
+    _argument_group_name = "model and LoRA (trl.ModelConfig; gguf_file, tokenizer_name_or_path, base_model_hub_id last)"
 
     use_peft: bool = field(default=True, metadata={"help": "Train LoRA adapters (the only mode of this recipe)."})
     lora_target_modules: list[str] | None = field(
@@ -93,6 +108,9 @@ class SFTModelArguments(ModelConfig):
         default=None, metadata={"help": "GGUF file inside model_name_or_path to load (dequantized to train it)."}
     )
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's."})
+    base_model_hub_id: str | None = field(
+        default=None, metadata={"help": "Hub id of a local model_name_or_path: what the pushed adapter names as base."}
+    )
 
     def __post_init__(self):
         super().__post_init__()  # ModelConfig unpacks a one-element list, which PEFT would take as a regex
@@ -126,6 +144,45 @@ def check_arguments(script_args: SFTScriptArguments, training_args: SFTLoRAConfi
         training_args.eval_on_start = has_eval and not training_args.resume_from_checkpoint
 
 
+def check_inputs(script_args: SFTScriptArguments, model_args: SFTModelArguments, training_args: SFTLoRAConfig):
+    """Every path and name given, checked by the parser before any heavy work (`hfl3.trainers.inputs`): a bad one
+    is an argument error (one line, exit status 2). Also `prepare_output_dir` (output folder, resume checkpoint, a
+    push's `--hub_model_id` and network) and `check_arguments`; a push needs a Hub id for the base model
+    (`base_model_hub_id`).
+
+    Raises:
+        ValueError, OSError: one line naming the argument, the value and what was expected.
+    """
+    prepare_output_dir(training_args)  # first: check_arguments needs --resume_from_checkpoint latest resolved
+    check_arguments(script_args, training_args, model_args)
+    for argument in ("train_file", "eval_file"):
+        if getattr(script_args, argument):
+            check_file(argument, getattr(script_args, argument), 'a chat JSONL file (one {"messages": [...]} per line)')
+    if training_args.chat_template_path:
+        check_file("chat_template_path", training_args.chat_template_path, "a Jinja chat template file (applied "
+                   "before tokenization)", suffixes=(".jinja", ".j2"))
+    model, gguf = model_args.model_name_or_path, model_args.gguf_file
+    if gguf and Path(model).is_dir():
+        check_file("gguf_file", str(Path(model) / gguf), "a GGUF file inside --model_name_or_path", (".gguf",))
+    check_pretrained("model_name_or_path", model, MODEL, [gguf] if gguf else MODEL_FILES, model_args.model_revision)
+    if model_args.tokenizer_name_or_path:
+        check_pretrained("tokenizer_name_or_path", model_args.tokenizer_name_or_path, TOKENIZER, TOKENIZER_FILES)
+    if model_args.base_model_hub_id:
+        if not Path(model).is_dir():
+            raise ValueError(f"--base_model_hub_id {model_args.base_model_hub_id}: only for a local "
+                             f"--model_name_or_path; {model} is a Hub id already")
+        if not is_hub_id(model_args.base_model_hub_id):
+            raise ValueError(f"--base_model_hub_id {model_args.base_model_hub_id}: not a Hub repository id; expected "
+                             "USER/NAME, the Hub repository of --model_name_or_path")
+    if training_args.push_to_hub and base_model_hub_id(model, model_args.base_model_hub_id) is None:
+        raise ValueError(f"--push_to_hub: the base model {model} is a local folder with no Hub id in its "
+                         "metadata.json; pass --base_model_hub_id USER/NAME (its Hub repository), which the pushed "
+                         "adapter_config.json and model card name")
+    if training_args.push_to_hub and model_args.base_model_hub_id:
+        check_hub_repo("base_model_hub_id", model_args.base_model_hub_id, "the Hub repository of "
+                       "--model_name_or_path")
+
+
 def load_tokenizer(model_args: SFTModelArguments, training_args: SFTLoRAConfig):
     """The tokenizer, with `chat_template_path` (a `.jinja` file) applied before masking and cleared so that TRL does
     not apply it again (TRL's tokenizer-folder form would add tokens after the data were tokenized)."""
@@ -134,8 +191,6 @@ def load_tokenizer(model_args: SFTModelArguments, training_args: SFTLoRAConfig):
                                               trust_remote_code=training_args.trust_remote_code, **gguf)
     if training_args.chat_template_path:
         template = Path(training_args.chat_template_path)
-        if template.suffix not in (".jinja", ".j2") or not template.is_file():
-            raise ValueError(f"chat_template_path={template}: give a .jinja file (applied before tokenization)")
         tokenizer.chat_template, training_args.chat_template_path = template.read_text(encoding="utf-8"), None
     return tokenizer
 
@@ -170,6 +225,7 @@ def build_trainer(script_args: SFTScriptArguments, training_args: SFTLoRAConfig,
     metadata = build_metadata(
         data=data.provenance, lora=peft_config.to_dict(), script_args=script_args, model_args=model_args,
         base_model={"name_or_path": model_args.model_name_or_path, "gguf_file": model_args.gguf_file,
+                    "hub_id": base_model_hub_id(model_args.model_name_or_path, model_args.base_model_hub_id),
                     "model_type": model.config.model_type, "config_sha256": config_sha256(model.config),
                     "num_parameters": model.num_parameters()},
         training_args=training_args.to_dict(),
@@ -241,15 +297,10 @@ def eval_before(log_history: list[dict]) -> dict:
     return {}
 
 
-def make_parser(subparsers=None):
+def make_parser() -> RecipeParser:
     """`TrlParser` over the script, model and training arguments, in that order so that `--help` lists the
-    recipe's own options first (after `--config`); it returns them in that order too."""
-    dataclass_types = (SFTScriptArguments, SFTModelArguments, SFTLoRAConfig)
-    if subparsers is not None:
-        parser = subparsers.add_parser("sft_lora", help="LoRA SFT on chat JSONL", dataclass_types=dataclass_types)
-    else:
-        parser = TrlParser(dataclass_types)
-    return add_config_argument(parser)
+    recipe's own options first (after `--config`); it returns them in that order too, after `check_inputs`."""
+    return add_config_argument(RecipeParser((SFTScriptArguments, SFTModelArguments, SFTLoRAConfig), check_inputs))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,13 @@
-"""Shared fixtures: real assets from ../shared/assets (override with HFL3_ASSETS), offline Hub."""
+"""Shared fixtures: the test assets (in-repo `tests/fixtures/`, the Gemma 3 tokenizer from outside), offline Hub.
 
+What the tests read lives in `tests/fixtures/` (small, redistributable; tests/fixtures/README.md lists each file with
+its source and license), so a clone runs the suite with nothing beside it and every machine reads the same bytes.
+The Gemma 3 tokenizer is under the Gemma terms and stays out of the repository: `external_assets.py` says where it
+is looked for (`HFL3_ASSETS` first). Tests that use it carry the `gemma3` marker and are skipped at collection, with
+one line naming what to set, where it is not found.
+"""
+
+import functools
 import importlib.util
 import os
 import subprocess
@@ -8,20 +16,57 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from external_assets import find_gemma3_tokenizer, gemma3_skip_reason
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-ASSETS = Path(os.environ.get("HFL3_ASSETS", REPO_ROOT.parent / "shared" / "assets"))
+FIXTURES = REPO_ROOT / "tests" / "fixtures"
+
+
+@functools.cache
+def gemma3_folder() -> Path | None:
+    return find_gemma3_tokenizer(os.environ.get("HFL3_ASSETS") or None)
+
+
+def gemma3_missing_reason() -> str:
+    return gemma3_skip_reason(os.environ.get("HFL3_ASSETS") or None)
+
+
+class MissingAsset:
+    """Stands in for an asset that was not found. The tests that use it are marked and skipped at collection; a test
+    that reaches it without the marker fails here, naming the marker it lacks."""
+
+    def __init__(self, marker: str, reason: str):
+        self.marker, self.reason = marker, reason
+
+    def __getattr__(self, name):
+        pytest.fail(f"this test uses a missing asset but is not marked `{self.marker}`: {self.reason}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
 def assets() -> Path:
-    """Folder of real test assets (tokenizers, chat JSONL, text); see ../shared/assets/README.md."""
-    if not ASSETS.is_dir():
-        pytest.fail(f"assets folder {ASSETS} not found; set HFL3_ASSETS to ../shared/assets")
-    return ASSETS
+    """`tests/fixtures/`: the in-repo assets (Qwen3 tokenizer, Tiny Shakespeare, three Gutenberg novels, GSM8K chats),
+    laid out as `tokenizers/qwen3/`, `text/`, `chat/`. Never taken from elsewhere, so results do not depend on the
+    machine; the Gemma 3 tokenizer, which is not here, comes from the `gemma3_tokenizer` fixture."""
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer():
+    """The Gemma 3 tokenizer (`find_gemma3_tokenizer`), or a `MissingAsset` where it is not found (the tests that use
+    it are marked `gemma3`, or carry the mark on their `pytest.param`, and are then skipped at collection)."""
+    folder = gemma3_folder()
+    if folder is None:
+        return MissingAsset("gemma3", gemma3_missing_reason())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if "<start_of_turn>" not in (tokenizer.chat_template or ""):
+        pytest.fail(f"{folder} holds no Gemma 3 chat template: point HFL3_ASSETS at a folder whose tokenizers/gemma3/ "
+                    f"is the Gemma 3 tokenizer", pytrace=False)
+    return tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -74,9 +119,19 @@ def run_without_hfl3(tmp_path):
     return run
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gemma3: uses the Gemma 3 tokenizer (not redistributable, see "
+                                       "tests/conftest.py): skipped, naming what to set, where it is not found")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    needs_gemma3 = [item for item in items if item.get_closest_marker("gemma3")]  # keywords would match param ids
+    if needs_gemma3 and gemma3_folder() is None:
+        skip_gemma3 = pytest.mark.skip(reason=gemma3_missing_reason())
+        for item in needs_gemma3:
+            item.add_marker(skip_gemma3)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")

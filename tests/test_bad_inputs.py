@@ -1,21 +1,27 @@
-"""Bad inputs and bad arguments (issue 15, items 2, 7 and 8): each gets its exact error, naming the fix, before any
-data work, or a counted skip; a diverging run stops at the first non-finite loss, gradient norm or parameter, naming
-the step, with nothing non-finite saved."""
+"""Bad inputs and bad arguments: each gets its exact error, naming the fix, before any data work (a mistyped path
+or name: one line naming the argument, the value and what was expected, exit status 2), or a counted skip; a
+diverging run stops at the first non-finite loss, gradient norm or parameter, naming the step, with nothing
+non-finite saved."""
 
 import codecs
 import importlib.util
 import json
 import math
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import datasets
+import httpx2  # huggingface_hub's HTTP client: builds the answers its errors come from
+import huggingface_hub
 import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from huggingface_hub import constants as hub_constants
+from huggingface_hub.utils import hf_raise_for_status
 from peft import LoraConfig
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, TrainerCallback
@@ -26,6 +32,7 @@ from hfl3.data.chat import InvalidChatRecord, write_chat_jsonl
 from hfl3.data.sft import load_sft_data
 from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.tokenization import train_tokenizer
+from hfl3.trainers import inputs
 from hfl3.trainers.guards import NonFiniteTrainingError, check_vocabulary_fits
 from hfl3.trainers.launch import parse_recipe_args
 from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
@@ -150,6 +157,205 @@ def test_a_bad_training_argument_is_refused_while_parsing(repo_root, capsys, mon
     assert message in capsys.readouterr().err.splitlines()[-1]
 
 
+# ---- paths and names typed into a recipe ----------------------------------------------------------------------
+
+JSONL = 'a chat JSONL file (one {"messages": [...]} per line)'
+MODEL = "a model folder (config.json and weights, as save_pretrained writes them) or a Hub model id"
+TOKENIZER = ("a tokenizer folder (tokenizer.json or tokenizer_config.json, as save_pretrained writes them) or a Hub "
+             "id")
+CORPUS = ("stdlib, a text/.jsonl/.json/.parquet file, a folder or glob of them, or a datasets name (Hub id or "
+          "folder)")
+RESUME = "a checkpoint-N folder, or latest (the newest complete checkpoint in --output_dir)"
+NOT_EMPTY = ("not empty (old.txt); pass --resume_from_checkpoint latest to continue its run, --overwrite_output_dir to "
+             "replace it when this run finishes, or another --output_dir")
+INPUT_ERRORS = [  # (recipe, arguments after valid ones, the exact message); {tmp}: a folder of valid inputs
+    ("sft_lora", ["--train_file", "/nonexistent.jsonl"],
+     f"--train_file /nonexistent.jsonl: no such file; expected {JSONL}"),
+    ("sft_lora", ["--eval_file", "{tmp}"], f"--eval_file {{tmp}}: is a folder; expected {JSONL}"),
+    ("sft_lora", ["--model_name_or_path", "/nonexistent_model"],
+     f"--model_name_or_path /nonexistent_model: no such folder; expected {MODEL}"),
+    ("sft_lora", ["--model_name_or_path", "{tmp}/tokenizer"],
+     f"--model_name_or_path {{tmp}}/tokenizer: the folder holds no config.json; expected {MODEL}"),
+    ("sft_lora", ["--model_name_or_path", "{tmp}/train.jsonl"],
+     f"--model_name_or_path {{tmp}}/train.jsonl: is a file; expected {MODEL}"),
+    ("sft_lora", ["--model_name_or_path", "nobody/no-such-model"],
+     "--model_name_or_path nobody/no-such-model: no such file or folder, and HF_HUB_OFFLINE=1 with no copy of the Hub "
+     f"model nobody/no-such-model in the local cache; expected {MODEL}"),
+    ("sft_lora", ["--gguf_file", "model.Q8_0.gguf"],
+     "--gguf_file {tmp}/model/model.Q8_0.gguf: no such file; expected a GGUF file inside --model_name_or_path"),
+    ("sft_lora", ["--tokenizer_name_or_path", "/nope"],
+     f"--tokenizer_name_or_path /nope: no such folder; expected {TOKENIZER}"),
+    ("sft_lora", ["--chat_template_path", "{tmp}/template.txt"], "--chat_template_path {tmp}/template.txt: not a "
+     ".jinja or .j2 file; expected a Jinja chat template file (applied before tokenization)"),
+    ("sft_lora", ["--chat_template_path", "/nope.jinja"], "--chat_template_path /nope.jinja: no such file; expected a "
+     "Jinja chat template file (applied before tokenization)"),
+    ("sft_lora", ["--resume_from_checkpoint", "{tmp}/out/checkpoint-9"],
+     f"--resume_from_checkpoint {{tmp}}/out/checkpoint-9: no such folder; expected {RESUME}"),
+    ("sft_lora", ["--output_dir", "{tmp}/train.jsonl"],
+     "--output_dir {tmp}/train.jsonl: is a file; expected a folder (created if missing)"),
+    ("sft_lora", ["--output_dir", "{tmp}/full"], f"--output_dir {{tmp}}/full: {NOT_EMPTY}"),
+    ("sft_lora", ["--push_to_hub"], "--push_to_hub needs --hub_model_id USER/NAME"),
+    ("sft_lora", ["--push_to_hub", "--hub_model_id", "me/my adapter"],
+     "--hub_model_id me/my adapter: not a Hub repository id; expected USER/NAME"),
+    ("sft_lora", ["--push_to_hub", "--hub_model_id", "me/adapter"], "--push_to_hub: HF_HUB_OFFLINE=1 is set, so the "
+     "upload that ends the run would fail; unset it, or drop --push_to_hub and upload the output folder later"),
+    ("sft_lora", ["--base_model_hub_id", "me/base model"], "--base_model_hub_id me/base model: not a Hub repository "
+     "id; expected USER/NAME, the Hub repository of --model_name_or_path"),
+    ("sft_lora", ["--stdlib_chats", "4"], "give exactly one of --train_file and --stdlib_chats"),
+    ("pretrain", ["--dataset", "/nonexistent_dir"],
+     f"--dataset /nonexistent_dir: no such file or folder; expected {CORPUS}"),
+    ("pretrain", ["--dataset", "stdlib,{tmp}/novel.txt"],
+     f"--dataset stdlib,{{tmp}}/novel.txt (entry {{tmp}}/novel.txt): no such file or folder; expected {CORPUS}"),
+    ("pretrain", ["--dataset", "{tmp}/*.parquet"],
+     f"--dataset {{tmp}}/*.parquet: the pattern matches no file; expected {CORPUS}"),
+    ("pretrain", ["--dataset", "nobody/no-such-dataset"], "--dataset nobody/no-such-dataset: no such file or folder, "
+     "and HF_HUB_OFFLINE=1 with no copy of the Hub dataset nobody/no-such-dataset in the local cache; expected "
+     f"{CORPUS}"),
+    ("pretrain", ["--eval_dataset", "/nope.txt"],
+     f"--eval_dataset /nope.txt: no such file or folder; expected {CORPUS}"),
+    ("pretrain", ["--tokenizer_name_or_path", "/nope"], f"--tokenizer_name_or_path /nope: no such folder; expected "
+     f"{TOKENIZER}"),
+    ("pretrain", ["--tokenizer_name_or_path", "{tmp}/model"], "--tokenizer_name_or_path {tmp}/model: the folder holds "
+     f"no tokenizer.json or tokenizer_config.json; expected {TOKENIZER}"),
+    ("pretrain", ["--resume_from_checkpoint", "/nope/checkpoint-4"],
+     f"--resume_from_checkpoint /nope/checkpoint-4: no such folder; expected {RESUME}"),
+    ("pretrain", ["--output_dir", "{tmp}/full"], f"--output_dir {{tmp}}/full: {NOT_EMPTY}"),
+]
+
+
+@pytest.fixture(scope="module")
+def valid_inputs(tmp_path_factory, assets) -> Path:
+    """A folder with what the recipes accept: `model/` (a config.json), `tokenizer/` (Qwen3's), `train.jsonl`; and
+    what they refuse: `template.txt` (a chat template with the wrong suffix), `full/` (a non-empty output folder)."""
+    folder = tmp_path_factory.mktemp("inputs")
+    Qwen3Config(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8).save_pretrained(folder / "model")
+    AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3").save_pretrained(folder / "tokenizer")
+    write_chat_jsonl(stdlib_docstring_chats(2, seed=0), folder / "train.jsonl")
+    (folder / "template.txt").write_text("{% for message in messages %}{{ message['content'] }}{% endfor %}")
+    (folder / "full").mkdir()
+    (folder / "full" / "old.txt").write_text("a finished run")
+    return folder
+
+
+def parse_error(repo_root, capsys, name: str, arguments: list[str]) -> str:
+    """Parse `arguments` as the recipe's `__main__` does; return the message of the error it must end with."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_recipe_args(load_recipe(repo_root, name).make_parser(), arguments)
+    assert exit_info.value.code == 2
+    usage, error = capsys.readouterr().err.splitlines()  # argparse's usage line, then the one error line
+    assert usage.startswith("usage: ")
+    return error.split(": error: ", 1)[1]
+
+
+@pytest.mark.parametrize("name, arguments, message", INPUT_ERRORS)
+def test_a_mistyped_path_or_name_is_one_line_before_any_work(repo_root, valid_inputs, capsys, name, arguments,
+                                                             message):
+    valid = {"sft_lora": ["--model_name_or_path", "{tmp}/model", "--train_file", "{tmp}/train.jsonl"],
+             "pretrain": []}[name] + ["--output_dir", "{tmp}/out"]
+    arguments = [argument.replace("{tmp}", str(valid_inputs)) for argument in valid + arguments]
+    assert parse_error(repo_root, capsys, name, arguments) == message.replace("{tmp}", str(valid_inputs))
+    assert not (valid_inputs / "out").exists()  # nothing written
+
+
+def test_the_valid_inputs_pass(repo_root, valid_inputs):
+    """The guard of the table above: its valid arguments parse, so each case fails on its own argument."""
+    sft = load_recipe(repo_root, "sft_lora").make_parser().parse_args_and_config(
+        ["--model_name_or_path", str(valid_inputs / "model"), "--train_file", str(valid_inputs / "train.jsonl"),
+         "--tokenizer_name_or_path", str(valid_inputs / "tokenizer"), "--output_dir", str(valid_inputs / "out"),
+         "--val_split", "0.25", "--resume_from_checkpoint", "latest"])
+    assert sft[1].model_name_or_path == str(valid_inputs / "model")
+    # `latest` with no checkpoint yet is a fresh run, resolved before the step-0 evaluation is decided
+    assert sft[2].resume_from_checkpoint is None and sft[2].eval_on_start
+    pretrain = load_recipe(repo_root, "pretrain").make_parser().parse_args_and_config(
+        ["--dataset", f"stdlib,{valid_inputs}/*.jsonl", "--tokenizer_name_or_path", str(valid_inputs / "tokenizer"),
+         "--output_dir", str(valid_inputs / "out")])
+    assert pretrain[0].dataset.endswith("*.jsonl")
+
+
+def test_the_first_typo_of_a_new_user_exits_2_without_a_traceback(repo_root, valid_inputs, tmp_path):
+    run = subprocess.run(
+        [sys.executable, "recipes/sft_lora.py", "--model_name_or_path", str(valid_inputs / "model"), "--train_file",
+         "/nonexistent.jsonl", "--output_dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, cwd=repo_root, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.splitlines()[-1] == f"sft_lora.py: error: --train_file /nonexistent.jsonl: no such file; " \
+                                          f"expected {JSONL}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_push_needs_a_hub_id_for_a_local_base_before_training(repo_root, valid_inputs, capsys, monkeypatch):
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    arguments = ["--model_name_or_path", str(valid_inputs / "model"), "--train_file", str(valid_inputs / "train.jsonl"),
+                 "--output_dir", str(valid_inputs / "out"), "--push_to_hub", "--hub_model_id", "me/adapter"]
+    assert parse_error(repo_root, capsys, "sft_lora", arguments) == (
+        f"--push_to_hub: the base model {valid_inputs / 'model'} is a local folder with no Hub id in its "
+        "metadata.json; pass --base_model_hub_id USER/NAME (its Hub repository), which the pushed "
+        "adapter_config.json and model card name")
+
+
+def hub_answer(status: int, error_code: str | None = None):
+    """What `HfApi.model_info` raises for an HTTP answer (huggingface_hub's own `hf_raise_for_status`)."""
+    request = httpx2.Request("GET", "https://huggingface.co/api/models/nobody/x")
+    response = httpx2.Response(status, request=request, headers={"X-Error-Code": error_code} if error_code else {})
+    try:
+        hf_raise_for_status(response)
+    except Exception as error:  # noqa: BLE001 (the error to replay)
+        return error
+    raise AssertionError(f"HTTP {status} raised nothing")
+
+
+HUB_ANSWERS = [  # (case, what model_info raises or None, the message or None when accepted)
+    ("found", None, None),
+    ("gated: the loader explains access", hub_answer(401, "GatedRepo"), None),
+    ("server error: the loader retries", hub_answer(503), None),
+    ("not on the Hub", hub_answer(404, "RepoNotFound"), "--model_name_or_path nobody/x: no such file or folder, and "
+     f"no model nobody/x on the Hub (a private one needs `hf auth login`); expected {MODEL}"),
+    ("no such revision", hub_answer(404, "RevisionNotFound"), "--model_name_or_path nobody/x: the Hub model has no "
+     f"revision 'v2'; expected {MODEL}"),
+    ("unreachable", ConnectionError("[Errno -2] Name or service not known"), "--model_name_or_path nobody/x: no such "
+     "file or folder, and the Hub could not be reached within 10 s to look it up (ConnectionError; with "
+     f"HF_HUB_OFFLINE=1 only the local cache is searched); expected {MODEL}"),
+]
+
+
+@pytest.mark.parametrize("case, raised, message", HUB_ANSWERS, ids=[c[0] for c in HUB_ANSWERS])
+def test_a_hub_id_online_is_looked_up_once_with_a_short_timeout(monkeypatch, tmp_path, case, raised, message):
+    calls = []
+
+    class FakeApi:
+        def model_info(self, repo_id, *, revision=None, timeout=None):
+            calls.append((repo_id, revision, timeout))
+            if raised is not None:
+                raise raised
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    if message is None:
+        inputs.check_pretrained("model_name_or_path", "nobody/x", inputs.MODEL, inputs.MODEL_FILES, "v2")
+    else:
+        with pytest.raises(ValueError) as error:
+            inputs.check_pretrained("model_name_or_path", "nobody/x", inputs.MODEL, inputs.MODEL_FILES, "v2")
+        assert str(error.value) == message
+    assert calls == [("nobody/x", "v2", inputs.HUB_TIMEOUT_S)] and inputs.HUB_TIMEOUT_S <= 10
+
+
+def test_a_hub_id_offline_is_looked_up_in_the_local_cache(tmp_path, monkeypatch):
+    commit = "0" * 40
+    snapshot = tmp_path / "models--hfl3-test--tiny" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--hfl3-test--tiny" / "refs").mkdir()
+    (tmp_path / "models--hfl3-test--tiny" / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    assert hub_constants.is_offline_mode()
+    inputs.check_pretrained("model_name_or_path", "hfl3-test/tiny", inputs.MODEL, inputs.MODEL_FILES)
+    with pytest.raises(ValueError, match="with no copy of the Hub model hfl3-test/tiny in the local cache"):
+        inputs.check_pretrained("tokenizer_name_or_path", "hfl3-test/tiny", inputs.TOKENIZER, inputs.TOKENIZER_FILES)
+
+
 # ---- pretraining files --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("files", [["notes.md", "README.md"], ["BOOK.TXT"], ["a.md", "b.TXT"]])
@@ -197,19 +403,19 @@ def test_repeated_documents_are_dropped_per_shard_and_resume_exactly(tmp_path, s
     documents = unique[:30] + unique[5:12] + unique[30:] + unique[:3]  # 10 repeats inside the one shard
     (tmp_path / "book.txt").write_text("\n\n".join(documents))
     source = streaming.DocumentSource(sources.open_corpus(str(tmp_path / "book.txt")), read_batch=4,
-                                      shuffle_shards=False, passes=2)
+                                      shuffle_shards=False, epochs=2)
     batches = list(source.batches())
-    assert [t for texts, _, _ in batches for t in texts] == unique + unique  # every pass drops the same repeats
+    assert [t for texts, _, _ in batches for t in texts] == unique + unique  # every epoch drops the same repeats
     assert sum(skipped["duplicates"] for _, skipped, _ in batches) == 2 * 10
     for k in (3, 9, 14):  # resume mid-shard after batch k: the repeats before it are remembered by replaying
         assert list(source.batches(position=batches[k][2])) == batches[k + 1:]
-    kept_all = streaming.DocumentSource(source.corpus, read_batch=4, shuffle_shards=False, passes=1, deduplicate=False)
+    kept_all = streaming.DocumentSource(source.corpus, read_batch=4, shuffle_shards=False, epochs=1, deduplicate=False)
     assert [t for texts, _, _ in kept_all.batches() for t in texts] == documents
 
 
 def test_the_stream_counts_repeats_and_its_fingerprint_names_the_filter(tmp_path, shakespeare_paragraphs, tokenizer):
     (tmp_path / "book.txt").write_text("\n\n".join(shakespeare_paragraphs[:50] * 2))
-    source = streaming.DocumentSource(sources.open_corpus(str(tmp_path / "book.txt")), read_batch=8, passes=1)
+    source = streaming.DocumentSource(sources.open_corpus(str(tmp_path / "book.txt")), read_batch=8, epochs=1)
     packed = streaming.PackedStream(source, tokenizer, max_seq_len=64, shuffle_buffer=0)
     _, _, counts = packed.materialize(10_000)
     assert counts == {"documents": 50, "held_out": 0, "duplicates": 50}

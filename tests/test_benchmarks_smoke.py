@@ -1,29 +1,49 @@
-"""Plumbing of the issue-8 benchmarks: FLOPs accounting and time bookkeeping of l3_vs_dense, that
-trainer_overhead's plain loop is step-for-step equivalent to the Trainer, that vs_nanochat runs on CPU.
-No speed is asserted (speed lives in the benchmark tables)."""
+"""Plumbing of the benchmarks: FLOPs accounting and time bookkeeping of l3_vs_dense, that trainer_overhead's plain
+loop is step-for-step equivalent to the Trainer; the GPU suite (`benchmarks/gpu_suite.py`): its `--smoke` run fills
+every section's fields on a CPU, a section over its time share is stopped with the rows it had, slices merge, assets
+are looked up in order. No speed is asserted (speed lives in the benchmark tables)."""
 
+import json
+import os
+import subprocess
 import sys
+import time
 
+import psutil
 import pytest
-import torch
 
 from hfl3 import L3GPTConfig
-from hfl3.callbacks import flops_per_token, l3_lookup_flops_per_token
+from hfl3.callbacks import flops_per_token
 from hfl3.tokenization import train_tokenizer
 
 
 @pytest.fixture(scope="module")
 def bench(repo_root):
     sys.path.insert(0, str(repo_root / "benchmarks"))
+    import l3_flops
     import l3_vs_dense
+    import text_corpus
     import trainer_overhead
     import vs_nanochat
 
-    yield l3_vs_dense, trainer_overhead, vs_nanochat
+    yield l3_vs_dense, trainer_overhead, vs_nanochat, l3_flops, text_corpus
     sys.path.remove(str(repo_root / "benchmarks"))
 
 
-def test_l3_lookup_flops_count_scores_and_weighted_sum():
+@pytest.fixture(scope="module")
+def suite(repo_root):
+    """The GPU suite's modules: (common, gpu_sections, gpu_suite)."""
+    sys.path.insert(0, str(repo_root / "benchmarks"))
+    import common
+    import gpu_sections
+    import gpu_suite
+
+    yield common, gpu_sections, gpu_suite
+    sys.path.remove(str(repo_root / "benchmarks"))
+
+
+def test_l3_lookup_flops_count_scores_and_weighted_sum(bench):
+    l3_lookup_flops_per_token = bench[3].l3_lookup_flops_per_token
     config = L3GPTConfig(vocab_size=512, hidden_size=64, num_attention_heads=1, num_hidden_layers=2,
                          l3_after_layers=[0, 1])
     # per layer: (2·d·C scores + 2·d·C weighted sum) forward, ×3 with backward; two L3 layers
@@ -32,13 +52,19 @@ def test_l3_lookup_flops_count_scores_and_weighted_sum():
     assert l3_lookup_flops_per_token(dense, 5.0) == 0
 
 
+def test_in_memory_corpus_keeps_files_whole(bench, assets):
+    corpus, opened = bench[4].load_corpus(str(assets / "text" / "tinyshakespeare.txt"))
+    assert len(corpus) == 1 and corpus["text"][0] == (assets / "text" / "tinyshakespeare.txt").read_text()
+    assert opened.files[0].name == "tinyshakespeare.txt"
+
+
 def test_widened_dense_model_matches_l3_flops(bench, assets):
     l3_vs_dense = bench[0]
     text = (assets / "text" / "tinyshakespeare.txt").read_text()[:200_000]
     tokenizer = train_tokenizer([text], 2048)
     args = l3_vs_dense.BenchmarkArguments()
     l3_config = l3_vs_dense.make_config(args, tokenizer, with_l3=True)
-    target = flops_per_token(l3_config, args.seq_len) + l3_lookup_flops_per_token(l3_config, 20.0)
+    target = flops_per_token(l3_config, args.seq_len) + bench[3].l3_lookup_flops_per_token(l3_config, 20.0)
     hidden = l3_vs_dense.widened_hidden_size(args, tokenizer, target)
     wide = l3_vs_dense.make_config(args, tokenizer, with_l3=False, hidden_size=hidden)
     assert hidden > l3_config.hidden_size and not wide.l3_after_layers
@@ -102,19 +128,149 @@ def test_plain_loop_is_step_for_step_equivalent_to_trainer(bench, assets, tmp_pa
     assert result["max_abs_param_difference"] == 0.0
 
 
-def test_vs_nanochat_runs_hfl3_alone_on_cpu(bench, tmp_path):
-    vs_nanochat = bench[2]
-    if torch.cuda.is_available():
-        pytest.skip("checks the CPU fallback sizes")
-    args = vs_nanochat.VsNanochatArguments(depth=1, seq_len=32, batch_size=2, vocab_size=256, steps=2,
-                                           warmup_steps=1, json=str(tmp_path / "out.json"))
-    assert args.arms == ["hfl3", "hfl3_l3"]  # nanochat needs --nanochat_dir
-    args.arms = ["hfl3"]
-    output = vs_nanochat.main(args)
-    (dense,) = output["results"]
-    assert dense["arm"] == "hfl3" and dense["table_parameters"] == 0 and dense["tok_per_sec"] > 0
-    config = L3GPTConfig.from_depth(1, vocab_size=256, head_dim=64, max_position_embeddings=32)
-    assert dense["flops_per_token"] == flops_per_token(config, 32)
-    assert dense["mfu"] is None and (tmp_path / "out.json").exists()
+def test_vs_nanochat_refuses_a_folder_without_nanochat(bench, tmp_path):
     with pytest.raises(ValueError, match="no nanochat/gpt.py"):
-        vs_nanochat.VsNanochatArguments(nanochat_dir=str(tmp_path))
+        bench[2].VsNanochatArguments(nanochat_dir=str(tmp_path))
+
+
+# Rows that a CPU run cannot fill, each with the note that says why; every other hfl3 and reference value must be a
+# number. nanochat's arm is filled where a checkout is at build/nanochat (git-ignored, never in CI), else its rows
+# carry NANOCHAT_MISSING.
+CPU_ONLY_NOTES = {"peak memory is measured on CUDA only", "MFU needs a known GPU peak",
+                  "GPU memory is measured on CUDA only", "needs liger-kernel and a CUDA GPU"}
+
+
+@pytest.mark.slow
+def test_gpu_suite_smoke_runs_every_section_and_fills_its_fields(suite, repo_root, tmp_path):
+    common, gpu_sections, gpu_suite = suite
+    nanochat = repo_root / "build" / "nanochat"
+    have_nanochat = (nanochat / "nanochat" / "gpt.py").is_file()
+    done = subprocess.run(
+        [sys.executable, str(repo_root / "benchmarks" / "gpu_suite.py"), "--smoke", "--out_dir", str(tmp_path),
+         "--nanochat_dir", str(nanochat)], capture_output=True, text=True, timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=repo_root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu_suite_cpu_smoke.json").read_text())
+    markdown = (tmp_path / "gpu_suite_cpu_smoke.md").read_text()
+    assert list(results["sections"]) == list(gpu_sections.SECTIONS)
+    checks = {check["what"]: check for check in results["environment"]["checks"]}
+    assert checks["nanochat"]["ok"] is have_nanochat and checks["hfl3"]["ok"] and checks["cuda"]["found"] == "CPU"
+    nanochat_missing = {gpu_sections.NANOCHAT_MISSING} if not have_nanochat else set()
+    for name, entry in results["sections"].items():
+        assert entry["status"] == "done", (name, entry.get("error"))
+        assert entry["rows"] and f"`{name}`" in markdown
+        for row in entry["rows"]:
+            assert row["hfl3"] is not None or row["note"] in CPU_ONLY_NOTES | nanochat_missing, (name, row)
+            if row["reference_name"]:
+                assert row["reference"] is not None or row["note"] in CPU_ONLY_NOTES | nanochat_missing, (name, row)
+            if row["hfl3"] is not None and row["reference"]:
+                assert row["ratio"] == pytest.approx(row["hfl3"] / row["reference"])
+            assert row["passed"] is None  # a CPU run judges no goal
+        arms = entry["details"].get("results")  # per arm where a section runs arms that may fail alone
+        if isinstance(arms, dict):
+            assert not [arm for arm, result in arms.items() if "error" in result], (name, arms)
+    pretrain = results["sections"]["pretrain"]
+    assert ("nanochat" in pretrain["details"]["results"]) is have_nanochat
+    assert [row["note"] == gpu_sections.NANOCHAT_MISSING for row in pretrain["rows"]][:4] == [not have_nanochat] * 4
+    dense = pretrain["details"]["results"]["hfl3"]
+    sizes = gpu_sections.PRETRAIN_TINY
+    config = L3GPTConfig.from_depth(sizes["depth"], vocab_size=sizes["vocab_size"], head_dim=sizes["head_dim"],
+                                    max_position_embeddings=sizes["seq_len"], window_pattern="L")
+    assert dense["flops_per_token"] == flops_per_token(config, sizes["seq_len"]) and dense["table_parameters"] == 0
+    assert set(results["sections"]["fp8"]["details"]["results"]) == {"hfl3", *gpu_sections.FP8_ARMS}
+    assert "| measurement | hfl3 | reference | ratio | goal | pass/fail | note |" in markdown
+
+
+def _overrunning_section(profile, report):
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    report([{"measurement": "done before the stop", "hfl3": 1.0}], {"grandchild": grandchild.pid})
+    time.sleep(120)
+
+
+def _failing_section(profile, report):
+    report([{"measurement": "done before the error", "hfl3": 2.0}], None)
+    raise RuntimeError("first line\nthe reason")
+
+
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize("section, share, status, error", [
+    (_overrunning_section, 3.0, "overran", "stopped after its share of 3 s"),
+    (_failing_section, 60.0, "failed", "RuntimeError: the reason"),
+])
+def test_a_section_that_overruns_or_fails_keeps_the_rows_it_reported(suite, monkeypatch, tmp_path, section, share,
+                                                                    status, error):
+    common, gpu_sections, gpu_suite = suite
+    monkeypatch.setattr(common, "START_METHOD", "fork")  # the fake section exists in this process only
+    monkeypatch.setitem(gpu_sections.SECTIONS, "fake", gpu_sections.Section(section, "fake", 1, ()))
+    started = time.perf_counter()
+    entry = gpu_suite.run_section("fake", gpu_sections.Profile("smoke", "cpu"), share, tmp_path)
+    assert time.perf_counter() - started < share + 30
+    assert (entry["status"], entry["error"], entry["share_seconds"]) == (status, error, share)
+    assert entry["rows"] == [{"measurement": f"done before the {'stop' if status == 'overran' else 'error'}",
+                              "hfl3": 1.0 if status == "overran" else 2.0, "passed": None}]  # a CPU run judges none
+    if status == "overran":  # what the section started was stopped with it (one process group)
+        deadline = time.time() + 10
+        while not _gone(entry["details"]["grandchild"]) and time.time() < deadline:
+            time.sleep(0.1)
+        assert _gone(entry["details"]["grandchild"])
+
+
+@pytest.mark.parametrize("hfl3, reference, goal, ratio, passed", [
+    (2.0, 1.0, (">=", 1.1), 2.0, True),
+    (1.0, 1.0, (">=", 1.1), 1.0, False),
+    (1.0, 2.0, ("<=", 1.0), 0.5, True),
+    (3.0, 2.0, ("<=", 1.0), 1.5, False),
+    (1.0, None, (">=", 1.1), None, None),
+    (None, 1.0, (">=", 1.1), None, None),
+    (1.0, 2.0, None, 0.5, None),
+])
+def test_rows_compute_ratio_and_judge_the_goal(suite, hfl3, reference, goal, ratio, passed):
+    row = suite[1].row("m", hfl3, reference, "ref", goal)
+    assert (row["ratio"], row["passed"]) == (ratio, passed)
+
+
+def test_merge_keeps_finished_sections_and_refuses_another_device(suite, tmp_path):
+    gpu_suite = suite[2]
+
+    def part(device: str, sections: dict) -> str:
+        environment = {"date": "2026-11-25T10:00:00+00:00", "profile": "gpu", "device": device, "commit": "abc",
+                       "versions": {}, "checks": []}
+        entries = {name: {"status": status, "rows": [], "details": None, "seconds": 1.0, "run": environment}
+                   for name, status in sections.items()}
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps({"environment": environment, "sections": entries}))
+        return str(path)
+
+    first = part("NVIDIA H100 80GB HBM3", {"pretrain": "done", "fp8": "overran", "sft": "done"})
+    second = part("NVIDIA H100 80GB HBM3", {"fp8": "done", "pretrain": "failed", "trainer": "done"})
+    out = gpu_suite.merge([first, second], str(tmp_path / "merged"))
+    assert out.name == "gpu_suite_h100_80gb_hbm3.json" and out.with_suffix(".md").exists()
+    merged = json.loads(out.read_text())["sections"]
+    assert {name: entry["status"] for name, entry in merged.items()} == {
+        "pretrain": "done", "fp8": "done", "trainer": "done", "sft": "done"}
+    assert list(merged) == ["pretrain", "fp8", "trainer", "sft"]  # the suite's order
+    other = part("NVIDIA H200", {"loss": "done"})
+    with pytest.raises(ValueError, match="NVIDIA H200 .gpu. is not NVIDIA H100"):
+        gpu_suite.merge([first, other], str(tmp_path / "merged"))
+
+
+def test_assets_are_looked_up_in_hfl3_assets_then_fixtures_then_beside_the_checkout(suite, monkeypatch, tmp_path):
+    common = suite[0]
+    repo, beside, chosen = tmp_path / "repo", tmp_path / "shared" / "assets", tmp_path / "chosen"
+    for root, files in ((repo / "tests" / "fixtures", ["a.txt", "b.txt"]), (beside, ["a.txt", "b.txt", "c.txt"]),
+                        (chosen, ["a.txt"])):
+        for name in files:
+            (root / "text").mkdir(parents=True, exist_ok=True)
+            (root / "text" / name).write_text(name)
+    monkeypatch.setattr(common, "REPO_ROOT", repo)
+    monkeypatch.setenv("HFL3_ASSETS", str(chosen))
+    assert [common.find_asset(f"text/{name}") for name in ("a.txt", "b.txt", "c.txt")] == [
+        chosen / "text" / "a.txt", repo / "tests" / "fixtures" / "text" / "b.txt", beside / "text" / "c.txt"]
+    monkeypatch.setenv("HFL3_ASSETS", "")
+    assert common.find_asset("text/a.txt") == repo / "tests" / "fixtures" / "text" / "a.txt"
+    with pytest.raises(FileNotFoundError, match="asset text/d.txt not found .* set HFL3_ASSETS"):
+        common.find_asset("text/d.txt")
+    assert common.asset_or_none("text/d.txt") is None

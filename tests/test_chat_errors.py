@@ -54,11 +54,6 @@ def qwen3(assets):
     return AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
 
 
-@pytest.fixture(scope="module")
-def gemma3(assets):
-    return AutoTokenizer.from_pretrained(assets / "tokenizers" / "gemma3")
-
-
 def write(path, lines):
     path.write_bytes(b"".join(lines))
     return path
@@ -90,12 +85,13 @@ def test_bad_record_is_skipped_and_counted(tmp_path, qwen3, case, bad, reason, c
     assert result.train["labels"] == reference.train["labels"]
 
 
-def test_template_rejection_is_reported_with_its_reason(tmp_path, gemma3):
+@pytest.mark.gemma3
+def test_template_rejection_is_reported_with_its_reason(tmp_path, gemma3_tokenizer):
     # Gemma 3 requires user/assistant alternation: two user messages in a row
     data = write(tmp_path / "data.jsonl", [GOOD[0], line([U, U, A])])
     with pytest.raises(InvalidChatRecord, match=rf"^{data}:2: the chat template rejected .*must alternate"):
-        load_sft_data(gemma3, data)
-    stats = load_sft_data(gemma3, data, skip_invalid_records=True).stats["train_file"]
+        load_sft_data(gemma3_tokenizer, data)
+    stats = load_sft_data(gemma3_tokenizer, data, skip_invalid_records=True).stats["train_file"]
     assert (stats.read, stats.malformed, stats.kept) == (2, 1, 1)
 
 

@@ -25,13 +25,12 @@ EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
 @pytest.fixture(scope="module")
-def tokenizers(assets):
+def tokenizers(assets, gemma3_tokenizer):
     qwen3 = AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
     qwen25 = AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
     qwen25.chat_template = qwen2_5_chat_template  # Qwen2.5's template (as TRL ships it) on a real BPE vocabulary
-    gemma3 = AutoTokenizer.from_pretrained(assets / "tokenizers" / "gemma3")
     l3gpt = train_tokenizer([(assets / "text" / "tinyshakespeare.txt").read_text()[:60_000]], vocab_size=600)
-    return {"qwen3": qwen3, "qwen2.5": qwen25, "gemma3": gemma3, "l3gpt": l3gpt}
+    return {"qwen3": qwen3, "qwen2.5": qwen25, "gemma3": gemma3_tokenizer, "l3gpt": l3gpt}
 
 
 def chat(*turns, system=None):
@@ -72,7 +71,8 @@ CONVERSATIONS = [
     ("unicode", chat("Héllo 👋 世界, ça va?", "Très bien 😀 — 你好! ∑x²", "Ünïcödé?", "Ja, naïve café ☕.")),
     ("reply with surrounding spaces", chat("Why?", "  Because.  ")),
 ]
-TEMPLATES = ["qwen3", "qwen2.5", "gemma3", "l3gpt"]
+GEMMA3 = pytest.param("gemma3", marks=pytest.mark.gemma3)
+TEMPLATES = ["qwen3", "qwen2.5", GEMMA3, "l3gpt"]
 
 
 @pytest.mark.parametrize("template", TEMPLATES)
@@ -91,10 +91,10 @@ def test_every_assistant_turn_and_only_it_is_supervised(tokenizers, template, na
         assert f"<start_of_turn>user\n{messages[0]['content']}\n\n" in encoded.text
 
 
-def test_end_of_turn_comes_from_the_template(tokenizers):
-    assert AssistantMasker(tokenizers["qwen3"]).end_of_turn == "<|im_end|>"
-    assert AssistantMasker(tokenizers["gemma3"]).end_of_turn == "<end_of_turn>"
-    assert AssistantMasker(tokenizers["l3gpt"]).end_of_turn == "<|im_end|>"
+@pytest.mark.parametrize("template, end_of_turn", [("qwen3", "<|im_end|>"), ("l3gpt", "<|im_end|>"),
+                                                   pytest.param("gemma3", "<end_of_turn>", marks=pytest.mark.gemma3)])
+def test_end_of_turn_comes_from_the_template(tokenizers, template, end_of_turn):
+    assert AssistantMasker(tokenizers[template]).end_of_turn == end_of_turn
 
 
 def strip_generation_markers(template: str) -> str:
@@ -128,7 +128,7 @@ def assert_agrees_with_trl(tokenizer, ours, trl_ids, trl_mask):
 
 
 @pytest.mark.parametrize("name, messages", CONVERSATIONS, ids=[c[0] for c in CONVERSATIONS])
-@pytest.mark.parametrize("template", ["qwen2.5", "gemma3"])
+@pytest.mark.parametrize("template", ["qwen2.5", GEMMA3])
 def test_masks_agree_with_trl_training_templates(tokenizers, template, name, messages):
     tokenizer = tokenizers[template]
     training_template = get_training_chat_template(tokenizer)  # TRL recognises the stock template

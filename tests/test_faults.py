@@ -25,7 +25,6 @@ from hfl3.trainers.outputs import (
     STAGING,
     commit_folder,
     latest_checkpoint,
-    portable_base_model,
     prepare_output_dir,
 )
 from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
@@ -176,16 +175,6 @@ def test_outputs_hold_no_token_and_no_local_path(tmp_path, monkeypatch):
         data = (folder / name).read_bytes()
         assert str(tmp_path).encode() not in data and secret.encode() not in data and b"/tmp/" not in data, name
     assert "base_model: Qwen/Qwen3-0.6B" in (folder / "README.md").read_text()
-
-
-def test_adapter_base_model_is_a_hub_id_or_relative(tmp_path):
-    base, adapter = tmp_path / "outputs" / "pretrain", tmp_path / "outputs" / "sft"
-    base.mkdir(parents=True)
-    (base / "config.json").write_text(json.dumps({"model_type": "l3gpt"}))
-    assert portable_base_model("Qwen/Qwen3-0.6B", adapter) == "Qwen/Qwen3-0.6B"
-    assert portable_base_model(str(base), adapter) == "../pretrain"
-    (base / "metadata.json").write_text(json.dumps({"training_args": {"hub_model_id": "me/l3gpt-tiny"}}))
-    assert portable_base_model(str(base), adapter) == "me/l3gpt-tiny"
 
 
 @pytest.fixture(scope="module")

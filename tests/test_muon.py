@@ -4,6 +4,7 @@ tests/distributed)."""
 
 import logging
 import math
+from dataclasses import fields
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Trainer, TrainerCallback
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.optim import (
+    GroupLearningRates,
     MuonAdamW,
+    MuonSettings,
     create_muon_optimizer,
     muon_momentum,
     normuon_rescale,
@@ -21,7 +24,7 @@ from hfl3.optim import (
     param_groups_by_kind,
     weight_decay_factor,
 )
-from hfl3.optim.muon import ADAMW_DEFAULTS, POLAR_EXPRESS_COEFFICIENTS, POLAR_EXPRESS_NORM_SAFETY
+from hfl3.optim.settings import ADAMW_DEFAULTS, POLAR_EXPRESS_COEFFICIENTS, POLAR_EXPRESS_NORM_SAFETY
 
 KELLER_JORDAN_COEFFICIENTS = ((DEFAULT_A, DEFAULT_B, DEFAULT_C),) * 5
 TORCH_MUON_SETTINGS = dict(  # MuonAdamW as torch.optim.Muon (NorMuon, cautious WD, warm-up, MuonEq, Muon+ off)
@@ -417,3 +420,23 @@ def test_lr_scale_uses_the_hidden_size():
     model = tiny_qwen3(False)
     lrs = {g["name"]: g["lr"] for g in param_groups_by_kind(model, hidden_size=3072)}
     assert lrs["embedding"] == pytest.approx(0.3 * math.sqrt(768 / 3072))
+
+
+def test_each_setting_is_declared_once_and_read_by_config_grouping_and_update(tmp_path):
+    from hfl3.trainers.pretrain import PretrainConfig
+
+    # the recipe's config inherits the group LRs (default and help), so --help and a bare param_groups_by_kind agree
+    declared = {item.name: (item.default, item.metadata["help"]) for item in fields(GroupLearningRates)}
+    config = {item.name: (item.default, item.metadata["help"]) for item in fields(PretrainConfig)
+              if item.name in declared}
+    assert config == declared
+    args = PretrainConfig(output_dir=str(tmp_path), optim="muon", scalar_lr=0.25, report_to="none")
+    model = tiny_l3gpt()
+    lrs = {group["name"]: group["lr"] for group in param_groups_by_kind(model, args)}
+    assert lrs == GroupLearningRates(scalar_lr=0.25).learning_rates(model.config.hidden_size)
+    assert lrs["residual_scalar"] == pytest.approx(0.25 * GroupLearningRates.RESIDUAL_SCALAR_LR_FACTOR)
+    # a Muon group is filled from MuonSettings, which the update then takes whole; a bad value is refused there
+    group = MuonAdamW([{"params": [nn.Parameter(torch.zeros(4, 4))], "kind": "muon", "beta2": None}]).param_groups[0]
+    assert MuonSettings.from_group(group) == MuonSettings(beta2=None) and group["lr"] == args.matrix_lr
+    with pytest.raises(ValueError, match="muon_eq='rows'"):
+        create_muon_optimizer(model, args, muon_eq="rows")

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -28,6 +29,7 @@ def recipe_run(tmp_path_factory, repo_root):
         str(repo_root / "recipes" / "pretrain.py"), "--config", str(repo_root / "recipes" / "configs" /
                                                                      "pretrain_tiny.yaml"),
         "--output_dir", str(output_dir),
+        "--core_metric_every", "15", "--core_bundle_dir", str(repo_root / "tests" / "fixtures" / "core_bundle"),
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=repo_root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -51,7 +53,18 @@ def test_recipe_writes_a_complete_folder_and_learns(recipe_run):
     with safe_open(output_dir / "model.safetensors", "pt") as f:
         assert json.loads(f.metadata()["hfl3.data"])["train_tokens_sha256"] == digest
     assert digest in (output_dir / "README.md").read_text()
+    # CORE at steps 15 and 30 (hfl3.evaluate); the final one in all_results.json, metadata.json and the model-index
+    assert log.count("CORE mc_animals (0-shot") == 2
+    core = metadata["evaluation"]["core"]
+    assert results["core_metric"] == core["core_metric"] == metadata["results"]["core_metric"]
+    assert set(core["results"]) == {"mc_animals", "mc_animals_fewshot", "schema_animals", "lm_animals"}
+    card = ModelCard.load(output_dir / "README.md")
+    index = {(result.dataset_type, result.metric_type): result.metric_value for result in card.data.eval_results}
+    assert index[("core", "core_metric")] == round(core["core_metric"], 4)
     assert "world size 1" in log and "reloaded from" in log
+    plan = metadata["compute_optimal"]  # the start-up table's numbers; pretrain_tiny.yaml sizes its run by hand
+    assert "compute-optimal plan" in log and (plan["max_steps"], plan["total_batch_size"]) == (30, 8 * 64)
+    assert not plan["sized_by_dial"] and plan["lr_scale"] == 1.0 and plan["parameter_counts"]["l3_table"] > 0
     model = AutoModelForCausalLM.from_pretrained(output_dir)
     assert isinstance(model, L3GPTForCausalLM)
     counts = model.model.l3_counts()
@@ -157,15 +170,20 @@ def test_adamw_decays_only_matrices(tmp_path, stream):
 
 
 def test_optim_selects_the_optimizer_and_muon_takes_the_group_lrs(tmp_path, stream, pretrain_recipe):
-    """`--optim muon` (the Trainer's own flag) builds MuonAdamW with the `*_lr` fields; any other `--optim` the
-    Trainer's optimizer, decaying only matrices."""
+    """`--optim muon` (the Trainer's own flag) builds MuonAdamW with the `*_lr` fields, recorded as `use_muon` beside
+    the `optim` that transformers validated; any other `--optim` the Trainer's optimizer, decaying only matrices."""
     from hfl3.optim import MuonAdamW
     from hfl3.trainers.launch import parse_recipe_args
 
     _, _, args = parse_recipe_args(pretrain_recipe.make_parser(), [
         "--output_dir", str(tmp_path), "--eval_strategy", "no", "--optim", "muon", "--matrix_lr", "0.05",
         "--embedding_lr", "0.1", "--l3_table_lr", "0.2"])
-    assert args.optim == "muon" and args.to_dict()["optim"] == "muon"
+    assert args.use_muon and args.optim == "adamw_torch"
+    assert {key: args.to_dict()[key] for key in ("optim", "use_muon", "matrix_lr")} == {
+        "optim": "adamw_torch", "use_muon": True, "matrix_lr": 0.05}
+    assert PretrainConfig(**{**args.to_dict(), "hub_token": None}).use_muon  # the record rebuilds the same arguments
+    with pytest.raises(ValueError, match="use_muon=True with optim=sgd"):
+        PretrainConfig(output_dir=str(tmp_path), eval_strategy="no", optim="sgd", use_muon=True)
     tokenizer = stream.tokenizer
     model = L3GPTForCausalLM(L3GPTConfig.from_depth(2, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
                                                     max_position_embeddings=64, l3_after_layers=[0], l3_k_max=8))

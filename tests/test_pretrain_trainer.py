@@ -13,8 +13,8 @@ from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
 
 SEQ_LEN, BATCH = 64, 4
-# Tensor → Python conversions: each one waits for the device to finish all queued work.
-SYNCING_CALLS = {"item", "__bool__", "__int__", "__float__", "__index__", "tolist", "numpy"}
+# Tensor → Python conversions and copies to the host: each one waits for the device to finish all queued work.
+SYNCING_CALLS = {"item", "__bool__", "__int__", "__float__", "__index__", "tolist", "numpy", "cpu"}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,18 @@ class StepMarks(TrainerCallback):
                                        for key, value in param_state.items() if key == "step" and torch.is_tensor(value)]
 
 
-def train(rows, tmp_path, l3_after_layers, optimizer, max_steps=7, logging_steps=3, attend_across_documents=True):
+class LogReporter(TrainerCallback):
+    """Keeps a copy of every log it is handed, as a reporting integration (W&B, TensorBoard) sends it on."""
+
+    def __init__(self):
+        self.logs: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def train(rows, tmp_path, l3_after_layers, optimizer, max_steps=7, logging_steps=3, attend_across_documents=True,
+          reporters=()):
     tokenizer, dataset = rows
     config = L3GPTConfig.from_depth(2, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
                                     max_position_embeddings=SEQ_LEN, l3_after_layers=l3_after_layers,
@@ -79,7 +90,7 @@ def train(rows, tmp_path, l3_after_layers, optimizer, max_steps=7, logging_steps
     throughput = ThroughputCallback(warmup_steps=1)
     trainer = L3GPTTrainer(model=model, args=args, train_dataset=dataset,
                            data_collator=PackedCollator(tokenizer.bos_token_id, attend_across_documents),
-                           callbacks=[StepMarks(recorder, trainer_ref), throughput])
+                           callbacks=[*reporters, StepMarks(recorder, trainer_ref), throughput])
     trainer_ref.append(trainer)
     log_save_evaluate = trainer._maybe_log_save_evaluate
 
@@ -96,7 +107,7 @@ def train(rows, tmp_path, l3_after_layers, optimizer, max_steps=7, logging_steps
 @pytest.mark.parametrize(
     "l3_after_layers, optimizer, attend_across_documents, syncs_per_step",
     [([], "adamw_torch", True, 0), ([], "muon", True, 0),
-     # L3's routing reads its pair count once per forward (`l3_routing`, by design)
+     # L3's routing copies its pair count to the host once per forward (`l3_routing`, by design)
      ([0], "muon", True, 1),
      # block-causal rows: transformers' mask helpers check once per mask type (full, sliding) whether position_ids
      # mark packed documents (`find_packed_sequence_indices`; skipped under torch.compile)
@@ -113,12 +124,18 @@ def test_no_device_sync_between_logs(rows, tmp_path, l3_after_layers, optimizer,
 
 
 def test_token_count_and_throughput_are_exact_without_per_step_sync(rows, tmp_path):
-    trainer, _ = train(rows, tmp_path, [], "adamw_torch", max_steps=7, logging_steps=3)
+    reporter = LogReporter()
+    trainer, _ = train(rows, tmp_path, [], "adamw_torch", max_steps=7, logging_steps=3, reporters=[reporter])
     assert trainer.state.num_input_tokens_seen == 7 * BATCH * SEQ_LEN
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["num_input_tokens_seen"] for entry in logged] == [3 * BATCH * SEQ_LEN, 6 * BATCH * SEQ_LEN]
     # the first log (step 3) opens the window; the second reports the tokens of steps 4–6 over its seconds
     assert "tok_per_sec" not in logged[0] and logged[1]["tok_per_sec"] > 0
+    # one throughput per log, also in what a callback given before ThroughputCallback reports (the Trainer runs the
+    # reporting integrations first); transformers' session average is left out, its elapsed time kept
+    reported = [entry for entry in reporter.logs if "loss" in entry]
+    assert reported[1]["tok_per_sec"] == logged[1]["tok_per_sec"] and all(e["train_runtime"] > 0 for e in reported)
+    assert not any("train_tokens_per_second" in entry for entry in trainer.state.log_history + reporter.logs)
 
 
 def test_the_recorder_sees_the_syncs_transformers_would_make(rows, tmp_path):

@@ -1,17 +1,23 @@
-"""recipes/sft_lora.py end to end (accelerate launch in a subprocess) and HFL3SFTTrainer's loss and eval metrics."""
+"""recipes/sft_lora.py end to end (accelerate launch in a subprocess), HFL3SFTTrainer's loss and eval metrics, and
+adapters that load the standard way (`AutoPeftModelForCausalLM` from any working directory; Hub ids when pushed)."""
 
+import fnmatch
 import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from peft import LoraConfig, PeftModel
+from huggingface_hub import constants as hub_constants
+from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import (
@@ -31,6 +37,7 @@ from hfl3.models.l3gpt.linear_cross_entropy import CHUNK_BYTES
 from hfl3.provenance import sha256_file, sha256_records
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.launch import parse_recipe_args
+from hfl3.trainers.outputs import base_model_hub_id, local_base_model
 from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig
 
 WORDS = "the king and queen of love shall die good night sweet prince my lord what is this".split()
@@ -145,8 +152,8 @@ def test_recipe_early_stops_at_the_expected_evaluation_and_keeps_the_best(recipe
     assert all(math.isclose(e["eval_perplexity"], math.exp(e["eval_loss"]), rel_tol=1e-9) for e in evals)
     best_index = min(range(1, len(losses)), key=losses.__getitem__)  # checkpoints start after step 0
     best_step = evals[best_index]["step"]
-    assert state["best_model_checkpoint"].endswith(f"checkpoint-{best_step}")
-    best_adapter = load_file(f"{state['best_model_checkpoint']}/adapter_model.safetensors")
+    assert state["best_model_checkpoint"] == f"checkpoint-{best_step}"  # no local path in the output folder
+    best_adapter = load_file(output_dir / state["best_model_checkpoint"] / "adapter_model.safetensors")
     final_adapter = load_file(output_dir / "adapter_model.safetensors")
     assert best_adapter.keys() == final_adapter.keys()
     assert all(torch.equal(best_adapter[k], final_adapter[k]) for k in best_adapter)
@@ -167,10 +174,10 @@ def test_recipe_provenance_in_metadata_safetensors_and_card(recipe_run, l3gpt_fo
     assert data["counts"]["eval_file"]["kept"] == 8
     config = json.loads((l3gpt_folder / "config.json").read_text())
     assert metadata["base_model"]["name_or_path"] == l3gpt_folder.name
-    # adapter_config.json names the base relative to the adapter folder: loadable from any working directory
+    # the one local path of the outputs: PEFT resolves a relative base against the working directory
     adapter_config = json.loads((output_dir / "adapter_config.json").read_text())
-    assert (output_dir / adapter_config["base_model_name_or_path"]).resolve() == l3gpt_folder.resolve()
-    for name in ["metadata.json", "README.md", "adapter_config.json", "adapter_model.safetensors",
+    assert adapter_config["base_model_name_or_path"] == str(l3gpt_folder.resolve())
+    for name in ["metadata.json", "README.md", "adapter_model.safetensors", "all_results.json", "trainer_state.json",
                  "merged/metadata.json", "merged/README.md", "merged/model.safetensors"]:
         assert str(output_dir.parent.parent).encode() not in (output_dir / name).read_bytes(), name
     assert not list(output_dir.rglob("training_args.bin"))
@@ -221,9 +228,9 @@ def tiny_l3gpt(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def tokenizers(assets, l3gpt_folder):
+def tokenizers(assets, gemma3_tokenizer, l3gpt_folder):
     return {"qwen3": AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3"),
-            "gemma3": AutoTokenizer.from_pretrained(assets / "tokenizers" / "gemma3"),
+            "gemma3": gemma3_tokenizer,
             "l3gpt": AutoTokenizer.from_pretrained(l3gpt_folder)}
 
 
@@ -241,7 +248,8 @@ def make_trainer(tmp_path, tokenizer, build, packing=False):
                           processing_class=tokenizer, peft_config=lora()), data
 
 
-@pytest.mark.parametrize("name, build", [("qwen3", tiny_qwen3), ("gemma3", tiny_gemma3), ("l3gpt", tiny_l3gpt)])
+@pytest.mark.parametrize("name, build", [
+    ("qwen3", tiny_qwen3), pytest.param("gemma3", tiny_gemma3, marks=pytest.mark.gemma3), ("l3gpt", tiny_l3gpt)])
 @pytest.mark.parametrize("packing", [False, True])
 def test_compact_loss_equals_trl_loss_and_gradients(tmp_path, tokenizers, largest_tensor, name, build, packing):
     trainer, _ = make_trainer(tmp_path, tokenizers[name], build, packing)
@@ -344,19 +352,10 @@ def test_cpu_defaults_differ_from_trl_where_documented(tmp_path, sft_recipe):
     assert get_peft_config(model_args(lora_target_modules=["all-linear"])).target_modules == "all-linear"
 
 
-def test_push_to_hub_needs_a_repository_id(sft_recipe, tmp_path):
-    recipe = sft_recipe
-    script, model, args = recipe.make_parser().parse_args_and_config(
-        ["--output_dir", str(tmp_path), "--push_to_hub", "--train_file", "x.jsonl", "--model_name_or_path", "m"]
-    )
-    with pytest.raises(ValueError, match="--push_to_hub needs --hub_model_id"):
-        recipe.main(script, args, model)
-
-
 def run_recipe(recipe, caplog, *arguments: str) -> tuple[dict, object]:
     """`recipes/sft_lora.py ARGUMENTS` in this process (as its `__main__` does); returns the results and the args."""
-    script, model, args = parse_recipe_args(recipe.make_parser(), [*arguments, "--disable_tqdm", "true"])
-    with caplog.at_level("INFO", logger="hfl3.recipes.sft_lora"):
+    with caplog.at_level("INFO", logger="hfl3.recipes.sft_lora"):  # the arguments are checked while parsed
+        script, model, args = parse_recipe_args(recipe.make_parser(), [*arguments, "--disable_tqdm", "true"])
         return recipe.main(script, args, model), args
 
 
@@ -387,7 +386,181 @@ def test_eval_strategy_steps_alone_saves_at_every_evaluation_and_keeps_the_best(
 def test_evaluation_asked_for_without_evaluation_data_is_refused(tmp_path, sft_recipe):
     for flags in (["--eval_strategy", "epoch"], ["--load_best_model_at_end", "true"],
                   ["--early_stopping_patience", "2"]):
-        script, model, args = sft_recipe.make_parser().parse_args_and_config(
-            ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--output_dir", str(tmp_path), *flags])
-        with pytest.raises(ValueError, match="needs"):
-            sft_recipe.check_arguments(script, args, model)
+        with pytest.raises(ValueError, match="needs"):  # while parsing, before any path is looked at
+            sft_recipe.make_parser().parse_args_and_config(
+                ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--output_dir", str(tmp_path), *flags])
+
+
+# ---- adapters load the standard way -----------------------------------------------------------------------------
+
+HUB_BASE = "hfl3-test/tiny-l3gpt"
+TINY = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2", "--lora_r", "4",
+        "--lora_alpha", "32", "--lora_dropout", "0", "--max_length", "64", "--report_to", "none", "--disable_tqdm",
+        "true", "--dataloader_num_workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory, assets):
+    folder = tmp_path_factory.mktemp("qwen3_base")
+    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
+    tiny_qwen3(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory, l3gpt_folder):
+    """A Hugging Face cache holding the tiny L3GPT as the Hub model `HUB_BASE`, laid out as a download leaves it."""
+    cache = tmp_path_factory.mktemp("hub_cache")
+    repo, commit = cache / f"models--{HUB_BASE.replace('/', '--')}", hashlib.sha1(HUB_BASE.encode()).hexdigest()
+    shutil.copytree(l3gpt_folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, l3gpt_folder, qwen3_folder, hub_cache, sft_recipe):
+    """`(work, {name: (base, adapter folder, input_ids)})`: one adapter per base (a local L3GPT, a local Qwen3, the
+    L3GPT as a Hub model in the cache) trained by the recipe from the working directory `work`, `--output_dir`
+    relative to it; `input_ids` of a question in the base's tokenizer."""
+    work = tmp_path_factory.mktemp("work")
+    write_chat_jsonl(chats("good", 8, seed=0), work / "train.jsonl")
+    trained = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(work)
+        patch.setattr(hub_constants, "HF_HUB_CACHE", str(hub_cache))
+        for name, base in [("l3gpt", str(l3gpt_folder)), ("qwen3", str(qwen3_folder)), ("l3gpt_hub", HUB_BASE)]:
+            script, model, args = parse_recipe_args(sft_recipe.make_parser(), [
+                "--model_name_or_path", base, "--train_file", "train.jsonl", "--output_dir", f"adapters/{name}", *TINY])
+            sft_recipe.main(script, args, model)
+            ids = AutoTokenizer.from_pretrained(base)("what is this?", return_tensors="pt")["input_ids"]
+            trained[name] = (base, work / "adapters" / name, ids)
+    return work, trained
+
+
+def card_snippet(card: str) -> str:
+    """The first Python block of a model card."""
+    return card.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize("name", ["l3gpt", "qwen3", "l3gpt_hub"])
+def test_the_adapter_loads_the_standard_way_from_any_working_directory(adapters, hub_cache, tmp_path, monkeypatch,
+                                                                       name):
+    work, trained = adapters
+    base, adapter, ids = trained[name]
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(hub_cache))
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == (
+        HUB_BASE if name == "l3gpt_hub" else str(Path(base).resolve()))
+    with torch.no_grad():
+        for directory in (work, tmp_path):  # where the recipe ran, and anywhere else
+            monkeypatch.chdir(directory)
+            auto = AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
+            manual = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
+            assert_same_weights(auto, manual)
+        with auto.disable_adapter():
+            base_logits = auto(input_ids=ids).logits
+        # the adapter acts: its logits move by far more than float32 round-off (~1e-7 relative)
+        assert (auto(input_ids=ids).logits - base_logits).abs().max() > 1e-3 * base_logits.abs().max()
+        monkeypatch.chdir(work)  # the card names the adapter as the recipe's --output_dir was given
+        snippet = card_snippet((adapter / "README.md").read_text())
+        assert f"AutoPeftModelForCausalLM.from_pretrained('adapters/{name}')" in snippet
+        namespace = {}
+        exec(snippet, namespace)
+        assert_same_weights(namespace["model"], auto)
+
+
+def assert_same_weights(model, reference):
+    """Every tensor (base weights, LoRA A and B) equal bit for bit: both were read from the same files."""
+    state, expected = model.state_dict(), reference.state_dict()
+    assert state.keys() == expected.keys() and any("lora_B" in key for key in state)
+    assert all(torch.equal(state[key], expected[key]) for key in state)
+
+
+def test_a_local_adapter_holds_no_other_local_path(adapters, tmp_path_factory):
+    _, trained = adapters
+    root = str(tmp_path_factory.getbasetemp()).encode()
+    for name, (base, adapter, _) in trained.items():
+        files = [p for p in adapter.rglob("*") if p.is_file() and not p.relative_to(adapter).parts[0].startswith(
+            "checkpoint-")]  # a checkpoint's trainer_state.json needs its own path to resume
+        assert {p.name for p in files} >= {"adapter_config.json", "adapter_model.safetensors", "README.md",
+                                           "metadata.json", "all_results.json", "trainer_state.json"}
+        for file in files:
+            data = file.read_bytes()
+            if file.name == "adapter_config.json" and name != "l3gpt_hub":
+                data = data.replace(json.dumps(str(Path(base).resolve())).encode(), b'"BASE"')
+            assert root not in data and b"/tmp/" not in data, (name, file.name)
+
+
+@pytest.mark.slow
+def test_without_hfl3_the_l3gpt_adapter_loads_with_trust_remote_code(adapters, run_without_hfl3):
+    _, adapter, _ = adapters[1]["l3gpt"]
+    run = run_without_hfl3("""
+        import sys
+        from peft import AutoPeftModelForCausalLM
+        model = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+        print(type(model).__name__, type(model.get_base_model()).__name__)
+    """, adapter)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-2:] == ["PeftModelForCausalLM", "L3GPTForCausalLM"]
+
+
+def test_the_base_hub_id_comes_from_the_flag_the_name_or_the_base_folder(tmp_path, hub_cache, monkeypatch):
+    base = tmp_path / "outputs" / "pretrain"
+    base.mkdir(parents=True)
+    (base / "config.json").write_text(json.dumps({"model_type": "l3gpt"}))
+    assert base_model_hub_id("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    assert base_model_hub_id(str(base)) is None and base_model_hub_id(str(base), "me/base") == "me/base"
+    (base / "metadata.json").write_text(json.dumps({"training_args": {"hub_model_id": "me/l3gpt-tiny"}}))
+    assert base_model_hub_id(str(base)) == "me/l3gpt-tiny"
+    snapshot = next((hub_cache / f"models--{HUB_BASE.replace('/', '--')}" / "snapshots").iterdir())
+    assert base_model_hub_id(str(snapshot)) == HUB_BASE
+    monkeypatch.chdir(tmp_path)
+    assert local_base_model("outputs/pretrain") == str(base.resolve()) and local_base_model(HUB_BASE) == HUB_BASE
+
+
+def test_what_is_pushed_names_the_base_by_its_hub_id_and_holds_no_local_path(tmp_path, l3gpt_folder, sft_recipe,
+                                                                             monkeypatch):
+    uploads, looked_up = [], []
+
+    class FakeApi:  # the Hub API boundary: what upload_folder would send
+        def __init__(self, token=None):
+            pass
+
+        def model_info(self, repo_id, *, revision=None, timeout=None):
+            looked_up.append(repo_id)
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            pass
+
+        def upload_folder(self, repo_id, folder_path, commit_message, ignore_patterns):
+            files = {p.relative_to(folder_path).as_posix(): p.read_bytes() for p in Path(folder_path).rglob("*")
+                     if p.is_file()}
+            uploads.append((repo_id, {k: v for k, v in files.items()
+                                      if not any(fnmatch.fnmatch(k, pattern) for pattern in ignore_patterns)}))
+            return f"https://huggingface.co/{repo_id}/commit/1"
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    output_dir = tmp_path / "out"
+    train = write_chat_jsonl(chats("good", 8, seed=0), tmp_path / "train.jsonl")
+    script, model, args = parse_recipe_args(sft_recipe.make_parser(), [
+        "--model_name_or_path", str(l3gpt_folder), "--train_file", str(train), "--val_split", "0.25",
+        "--output_dir", str(output_dir), "--push_to_hub", "--hub_model_id", "me/tiny-adapter",
+        "--base_model_hub_id", "me/tiny-l3gpt", *TINY])
+    assert looked_up == ["me/tiny-l3gpt"]  # checked while parsing, before training
+    results = sft_recipe.main(script, args, model)
+    assert results["best_model_checkpoint"]  # a local path, which the pushed results must not hold
+    [(repo_id, files)] = uploads
+    assert repo_id == "me/tiny-adapter" and not (output_dir / "_hfl3_staging").exists()
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "metadata.json", "all_results.json",
+            "trainer_state.json", "tokenizer.json"} <= set(files) and not [k for k in files if "checkpoint-" in k]
+    assert json.loads(files["adapter_config.json"])["base_model_name_or_path"] == "me/tiny-l3gpt"
+    for name, data in files.items():
+        assert str(tmp_path).encode() not in data and str(l3gpt_folder).encode() not in data, name
+        assert b"/tmp/" not in data, name
+    card = files["README.md"].decode()
+    assert "base_model: me/tiny-l3gpt" in card and "LoRA adapter of `me/tiny-l3gpt`" in card
+    assert "AutoPeftModelForCausalLM.from_pretrained('me/tiny-adapter')" in card_snippet(card)
+    local = json.loads((output_dir / "adapter_config.json").read_text())
+    assert local["base_model_name_or_path"] == str(l3gpt_folder.resolve())  # the local copy still loads here

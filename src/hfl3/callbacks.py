@@ -99,14 +99,6 @@ def flops_per_token(config, seq_len: int) -> float:
     return 6 * matmul + 12 * heads * head_dim * attended
 
 
-def l3_lookup_flops_per_token(config, routed_mean_rows: float) -> float:
-    """Training FLOPs per token of the L3 lookups themselves (not in `flops_per_token`, which counts matmuls): per
-    L3 layer 2·d̄·C (scores) + 2·d̄·C (weighted sum) forward, ×3 for forward + backward, with d̄ the mean rows routed
-    per token (frequent tokens own more rows, so d̄ on real text exceeds `l3_n_emb / vocab_size`) and C =
-    hidden_size."""
-    return len(config.l3_after_layers) * 3 * 4 * routed_mean_rows * config.hidden_size
-
-
 class ThroughputCallback(TrainerCallback):
     """Adds `tok_per_sec` (input tokens per second across all processes, between two training logs) and, on a GPU
     with a known peak, `mfu` (%) to every training log after the first `warmup_steps` steps; logs `peak_memory_gb`
@@ -114,7 +106,18 @@ class ThroughputCallback(TrainerCallback):
 
     Clock: the Trainer reads the loss (`.item()`, a device sync) just before each log, so the time between two logs
     covers finished device work without this callback adding a sync of its own; evaluation and checkpoint saving
-    are left out (the window restarts when they end)."""
+    are left out (the window restarts when they end).
+
+    The one throughput of a training log, named as nanochat names it (`tok_per_sec`, `mfu`: its console's `tok/sec`
+    and its W&B keys `train/tok_per_sec`, `train/mfu`, which transformers' W&B integration also makes of these
+    names). transformers adds another when it counts input tokens: `train_tokens_per_second`, the tokens of this
+    session over the wall time since `train()` began (`Trainer.log`, `speed_metrics`), which also counts start-up,
+    warm-up and compilation, the step-0 and later evaluations and the checkpoint saves. It lags the training speed
+    (7,754 beside 9,502 tok/s in a demo log line) and is no basis for MFU, so `L3GPTTrainer.log` leaves it out.
+    `L3GPTTrainer` runs this callback first: the Trainer puts its reporting integrations before the callbacks passed
+    to it, and they would report the logs without these keys. With another Trainer, insert it first
+    (`trainer.callback_handler.callbacks.insert(0, callback)`).
+    """
 
     def __init__(self, flops_per_token: float | None = None, warmup_steps: int = 10):
         self.flops_per_token = flops_per_token
@@ -146,6 +149,12 @@ class ThroughputCallback(TrainerCallback):
 
         if self._mark is not None:
             self._mark = (time.perf_counter(), *self._mark[1:])
+
+    def exclude_time(self, seconds: float) -> None:
+        """Leave `seconds` of work that is not training out of the current window (another callback's evaluation
+        between two training logs, e.g. `hfl3.evaluate.CoreMetricCallback`)."""
+        if self._mark is not None:
+            self._mark = (self._mark[0] + seconds, *self._mark[1:])
 
     def on_evaluate(self, args, state, control, **kwargs):
         self._restart_window()

@@ -286,6 +286,8 @@ def write_model_card(
     library_name: str = "transformers",
     tags: Sequence[str] = ("hfl3",),
     base_model: str | None = None,
+    eval_results: Sequence[Any] = (),
+    model_name: str | None = None,
 ) -> Path:
     """Write `output_dir/README.md` with `huggingface_hub.ModelCard`: the YAML card data (`ModelCardData`:
     `library_name`, `tags`, and `base_model` when it is a Hub repository id rather than a local path, since the Hub
@@ -301,6 +303,9 @@ def write_model_card(
         library_name: `transformers` for full models, `peft` for adapters.
         tags: Hub tags.
         base_model: the model this one was fine-tuned from, if any.
+        eval_results: `huggingface_hub.EvalResult`s for the card's `model-index` (e.g.
+            `hfl3.evaluate.core_eval_results`); they need `model_name`.
+        model_name: the model's name in the `model-index`.
 
     Returns:
         The path of the README written (atomically).
@@ -309,7 +314,8 @@ def write_model_card(
 
     metadata = portable(to_json_safe(dict(metadata)))
     hub_base = base_model if base_model and _HUB_REPO_ID.match(base_model) and not Path(base_model).exists() else None
-    data = ModelCardData(library_name=library_name, tags=list(tags), base_model=hub_base)
+    data = ModelCardData(library_name=library_name, tags=list(tags), base_model=hub_base,
+                         eval_results=list(eval_results) or None, model_name=model_name)
     lines = [f"# {title}", ""]
     if extra_markdown:
         lines += [extra_markdown.strip(), ""]

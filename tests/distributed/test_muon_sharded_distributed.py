@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.optim import MuonAdamW, param_groups_by_kind
-from hfl3.optim.muon import MUON_DEFAULTS
+from hfl3.optim import MuonAdamW, MuonSettings, param_groups_by_kind
+from hfl3.optim.settings import MUON_DEFAULTS
 from hfl3.optim.sharded import moment_shape
 from hfl3.optim.update import muon_momentum, muon_update, weight_decay_factor
 
@@ -256,7 +256,8 @@ def _per_shard_muon(model, gradients: list) -> None:
     groups = _groups(model)
     matrices = next(group for group in groups if group["kind"] == "muon")
     optimizer = MuonAdamW([group for group in groups if group["kind"] == "adamw"], num_training_steps=STEPS)
-    settings = {**MUON_DEFAULTS, **MUON_SETTINGS}
+    group = {**MUON_DEFAULTS, **MUON_SETTINGS}
+    settings = MuonSettings.from_group(group)
     buffers = {id(p): (torch.zeros(WORLD_SIZE, p.shape[0] // WORLD_SIZE, p.shape[1]),
                        torch.zeros(WORLD_SIZE, *moment_shape(p.shape[0] // WORLD_SIZE, p.shape[1])))
                for p in matrices["params"]}
@@ -269,13 +270,10 @@ def _per_shard_muon(model, gradients: list) -> None:
                 blocks = param.view(WORLD_SIZE, -1, param.shape[1])
                 muon_update(
                     blocks, param.grad.view_as(blocks), *buffers[id(param)],
-                    momentum=muon_momentum(index, settings["momentum"], settings["momentum_warmup_start"],
-                                           settings["momentum_warmup_steps"]),
-                    lr=settings["lr"], weight_decay=settings["weight_decay"] * weight_decay_factor(index, STEPS),
-                    beta2=settings["beta2"], nesterov=True, cautious_weight_decay=settings["cautious_weight_decay"],
-                    coefficients=settings["ns_coefficients"], norm_safety=settings["ns_norm_safety"],
-                    eps=settings["eps"], dtype=torch.float32, muon_eq=settings["muon_eq"],
-                    muon_plus=settings["muon_plus"],
+                    momentum=muon_momentum(index, settings.momentum, settings.momentum_warmup_start,
+                                           settings.momentum_warmup_steps),
+                    lr=group["lr"], weight_decay=group["weight_decay"] * weight_decay_factor(index, STEPS),
+                    settings=settings,
                 )  # fmt: skip
         optimizer.step()
 
@@ -407,7 +405,8 @@ def _uneven_worker(rank: int, world_size: int, result_path: str) -> None:
             shard.grad = distribute_tensor(grad, mesh, [Shard(0)])
         optimizer.step()
     result["fsdp2"] = [shard.full_tensor() for shard in shards]
-    settings = {**MUON_DEFAULTS, **MUON_SETTINGS}
+    group = {**MUON_DEFAULTS, **MUON_SETTINGS}
+    settings = MuonSettings.from_group(group)
     for name, (pieces, moment_pieces, size) in _flat_layouts(world_size).items():
         plan = ShardedMuon(UNEVEN_SHAPES, pieces, moment_pieces, dist.group.WORLD, size)
         local = [torch.zeros(size) for _ in range(3)] + [torch.zeros(plan.local_moment_numel)]
@@ -416,14 +415,10 @@ def _uneven_worker(rank: int, world_size: int, result_path: str) -> None:
         for step in range(UNEVEN_STEPS):
             _scatter(grads, pieces, _uneven_gradients(step), rank)
             plan.step(params, grads, momentum, moment,
-                      momentum=muon_momentum(step, settings["momentum"], settings["momentum_warmup_start"],
-                                             settings["momentum_warmup_steps"]),
-                      lr=settings["lr"], weight_decay=settings["weight_decay"] * (1 - step / UNEVEN_STEPS),
-                      beta2=settings["beta2"], nesterov=True,
-                      cautious_weight_decay=settings["cautious_weight_decay"],
-                      coefficients=settings["ns_coefficients"], norm_safety=settings["ns_norm_safety"],
-                      eps=settings["eps"], dtype=torch.float32, muon_eq=settings["muon_eq"],
-                      muon_plus=settings["muon_plus"])  # fmt: skip
+                      momentum=muon_momentum(step, settings.momentum, settings.momentum_warmup_start,
+                                             settings.momentum_warmup_steps),
+                      lr=group["lr"], weight_decay=group["weight_decay"] * (1 - step / UNEVEN_STEPS),
+                      settings=settings)
         gathered = [None] * world_size
         dist.all_gather_object(gathered, params)
         result[name] = [torch.cat([gathered[p.rank].narrow(0, p.local_offset, p.length) for p in found]).view(shape)

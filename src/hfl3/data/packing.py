@@ -1,8 +1,8 @@
 """Cutting documents into pieces and BOS-aligned best-fit packing (nanochat's dataloader rule) over a bounded buffer.
 
 `BestFitPacker` holds at most `buffer_size` tokenized documents; it pulls more from a callable as it takes them, so
-the same packer serves a finite list (the validation set, `hfl3.data.text.pack_best_fit`) and an endless stream
-(`hfl3.data.streaming`). Its buffer can be written out and read back exactly (`state` / `from_state`).
+the same packer serves a finite read (the validation rows, `hfl3.data.streaming.PackedStream.materialize`) and an
+endless stream (`hfl3.data.streaming`). Its buffer can be written out and read back exactly (`state` / `load_state`).
 """
 
 from bisect import bisect_right, insort

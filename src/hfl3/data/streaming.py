@@ -6,8 +6,8 @@ as there are (process, DataLoader worker) pairs, each stream's state small enoug
   no list of documents is kept, duplicates land on the same side, and the split is the same for every stream.
 - `DocumentSource`: the documents of one side in stream `i` of `n`: stream `i` owns the shards `i, i + n, ...` (every
   `n`-th document of each shard when there are fewer shards than streams, like `datasets.distributed.
-  split_dataset_by_node`), reads them in a seeded order that changes every pass, and loops forever (training) or
-  stops after `passes`. A document that repeats an earlier one of the same shard (exactly) is dropped and counted
+  split_dataset_by_node`), reads them in a seeded order that changes every epoch, and loops forever (training) or
+  stops after `epochs`. A document that repeats an earlier one of the same shard (exactly) is dropped and counted
   (`ShardDuplicates`).
 - `PackedStream`: a `torch` `IterableDataset` of rows `(max_seq_len,)`; `reader(i, n, snapshot)` is one stream with
   its buffers, `snapshot()` is its exact state (position in the corpus, buffered pieces, shuffle RNG, counters).
@@ -41,7 +41,7 @@ from hfl3.provenance import atomic_path
 
 DATA_STATE_KEY = "data_state"
 STATE_FILE = "data_state_rank{rank}.safetensors"
-SHUFFLE_RNG_TAG = 2**32 - 1  # the shuffle buffer's seed `[seed, stream, TAG]`; shard orders use `[seed, stream, pass]`
+SHUFFLE_RNG_TAG = 2**32 - 1  # the shuffle buffer's seed `[seed, stream, TAG]`; shard orders use `[seed, stream, epoch]`
 _EMPTY_SHA256 = hashlib.sha256().hexdigest()
 logger = logging.getLogger(__name__)
 MAX_SHARD_DIGESTS = 1 << 18  # per stream: ~18 MB of Python ints at most
@@ -81,7 +81,7 @@ class ShardDuplicates:
     local files are left out when the corpus is opened (`hfl3.data.sources`). Repeats across shards are not
     detected: deduplicate a web-scale corpus beforehand. Nothing of it is saved: resuming in the middle of a shard
     re-reads the shard up to the saved position to rebuild the digests (`replay`), so the decisions, and the rows,
-    are those of an uninterrupted run, in every pass."""
+    are those of an uninterrupted run, in every epoch."""
 
     def __init__(self):
         self.digests: set[int] = set()
@@ -118,8 +118,8 @@ class ShardDuplicates:
 class DocumentSource:
     """The documents of one side (`validation` or training) of a corpus, for stream `i` of `n` (module docstring).
 
-    `shuffle_shards`: read the owned shards in a seeded order drawn anew for every pass (else in corpus order).
-    `passes`: stop after this many passes over the owned shards (None: loop forever).
+    `shuffle_shards`: read the owned shards in a seeded order drawn anew for every epoch (else in corpus order).
+    `epochs`: stop after this many epochs, full reads of the owned shards (None: loop forever).
     `deduplicate`: drop documents that repeat an earlier one of their shard (`ShardDuplicates`).
     """
 
@@ -129,7 +129,7 @@ class DocumentSource:
     seed: int = 0
     read_batch: int = 64
     shuffle_shards: bool = True
-    passes: int | None = None
+    epochs: int | None = None
     deduplicate: bool = True
 
     def keep(self, text: str) -> bool:
@@ -141,7 +141,7 @@ class DocumentSource:
         batch.
 
         Raises:
-            ValueError: a whole pass over the owned shards yields no document of this side.
+            ValueError: a whole epoch over the owned shards yields no document of this side.
         """
         shards = self.corpus.shards
         if len(shards) >= num_streams:
@@ -150,11 +150,11 @@ class DocumentSource:
             owned, stride = list(range(len(shards))), (num_streams, stream)
         position = position or {"epoch": 0, "shard": 0, "read": None}
         epoch = position["epoch"]
-        while self.passes is None or epoch < self.passes:
+        while self.epochs is None or epoch < self.epochs:
             order = owned
             if self.shuffle_shards:
                 order = [owned[i] for i in np.random.default_rng([self.seed, stream, epoch]).permutation(len(owned))]
-            start, read, kept_in_pass, duplicates_in_pass = position["shard"], position["read"], 0, 0
+            start, read, kept_in_epoch, duplicates_in_epoch = position["shard"], position["read"], 0, 0
             for index in range(start, len(order)):
                 shard = shards[order[index]]
                 duplicates = ShardDuplicates.replay(shard, read, self.read_batch, stride) if self.deduplicate else None
@@ -163,15 +163,15 @@ class DocumentSource:
                     if duplicates is not None:
                         texts, repeated = duplicates.drop(texts)
                     kept = [text for text in texts if self.keep(text)]
-                    kept_in_pass += len(kept)
-                    duplicates_in_pass += repeated
+                    kept_in_epoch += len(kept)
+                    duplicates_in_epoch += repeated
                     yield kept, {"held_out": len(texts) - len(kept), "duplicates": repeated}, \
                         {"epoch": epoch, "shard": index, "read": read}
                 read = None
-            if duplicates_in_pass:
-                logger.info("stream %d of %d, pass %d: dropped %d document(s) repeating an earlier one of their shard",
-                            stream, num_streams, epoch, duplicates_in_pass)
-            if start == 0 and not kept_in_pass:
+            if duplicates_in_epoch:
+                logger.info("stream %d of %d, epoch %d: dropped %d document(s) repeating an earlier one of their shard",
+                            stream, num_streams, epoch, duplicates_in_epoch)
+            if start == 0 and not kept_in_epoch:
                 side = "validation" if self.validation else "training"
                 raise ValueError(f"stream {stream} of {num_streams} found no {side} document in {len(owned)} shard(s) "
                                  f"of {self.corpus.spec!r}; add data, use fewer processes/DataLoader workers, or "
@@ -180,10 +180,10 @@ class DocumentSource:
             position = {"epoch": epoch, "shard": 0, "read": None}
 
     def sample_texts(self, max_chars: int) -> Iterator[str]:
-        """Documents from the start of stream 0 of 1 (the first pass), the last one cut, until `max_chars`
+        """Documents from the start of stream 0 of 1 (the first epoch), the last one cut, until `max_chars`
         characters: the tokenizer's training sample."""
         budget = max_chars
-        for texts, _, _ in DocumentSource(**{**vars(self), "passes": 1}).batches():
+        for texts, _, _ in DocumentSource(**{**vars(self), "epochs": 1}).batches():
             for text in texts:
                 yield text[:budget]
                 budget -= len(text)
@@ -237,10 +237,10 @@ class PackedStream(torch.utils.data.IterableDataset):
         return documents
 
     def sample_documents(self, max_tokens: int) -> list[np.ndarray]:
-        """Tokenized pieces from the start of stream 0 of 1 (first pass, in order) holding `max_tokens` tokens: the
+        """Tokenized pieces from the start of stream 0 of 1 (first epoch, in order) holding `max_tokens` tokens: the
         L3 allocation's sample."""
         sample, budget = [], max_tokens
-        for texts, _, _ in DocumentSource(**{**vars(self.source), "passes": 1}).batches():
+        for texts, _, _ in DocumentSource(**{**vars(self.source), "epochs": 1}).batches():
             for document in self.tokenize(texts):
                 sample.append(document)
                 budget -= len(document)
@@ -444,7 +444,7 @@ class StreamProgress:
         return {"rank": self.rank, "batches": self.batches, "sha256": self.sha256, "packing": report.as_dict(),
                 "documents": counts["documents"], "held_out_documents": counts["held_out"],
                 "duplicate_documents": counts["duplicates"],
-                "completed_passes": max(epochs, default=0)}
+                "completed_epochs": max(epochs, default=0)}
 
     def save(self, folder: str | os.PathLike) -> Path:
         """`folder/data_state_rank{rank}.safetensors` (written to a temporary file, then renamed): per role and

@@ -1,12 +1,16 @@
-"""Optimizers for hfl3: `MuonAdamW` (Muon for hidden matrices + AdamW for the rest), its parameter grouping and
-its one-line construction for the HF Trainer (`create_muon_optimizer`)."""
+"""Optimizers for hfl3: `MuonAdamW` (Muon for hidden matrices + AdamW for the rest), its parameter grouping, its
+one-line construction for the HF Trainer (`create_muon_optimizer`) and its settings, each declared once
+(`GroupLearningRates`, `MuonSettings`)."""
 
 from .groups import create_muon_optimizer, param_groups_by_kind, refuse_unsupported_sharding
 from .muon import MuonAdamW
+from .settings import GroupLearningRates, MuonSettings
 from .update import muon_momentum, normuon_rescale, orthogonalize, weight_decay_factor
 
 __all__ = [
+    "GroupLearningRates",
     "MuonAdamW",
+    "MuonSettings",
     "create_muon_optimizer",
     "muon_momentum",
     "normuon_rescale",

@@ -9,23 +9,15 @@ import json
 import logging
 import math
 import os
+from dataclasses import fields
 from pathlib import Path
 
 from torch import nn
 
-from .muon import MUON_DEFAULTS, MuonAdamW
+from .muon import MuonAdamW
+from .settings import GroupLearningRates, MuonSettings
 
 logger = logging.getLogger(__name__)
-
-# nanochat's defaults (scripts/base_train.py, nanochat/gpt.py setup_optimizer), tuned at hidden size 768.
-MATRIX_LR = MUON_DEFAULTS["lr"]  # 0.02
-EMBEDDING_LR = 0.3
-UNEMBEDDING_LR = 0.004
-SCALAR_LR = 0.5
-LR_REFERENCE_HIDDEN_SIZE = 768
-RESIDUAL_SCALAR_LR_FACTOR = 0.01  # nanochat: resid_lambdas "accumulate in the residual stream", 100x lower LR
-VALUE_EMBEDDING_LR_FACTOR = 0.5  # nanochat 6ed7d1d: value embeddings at half the embedding LR
-SMEAR_LR = 0.2  # nanochat a825e63: smear gate, smear_lambda and backout_lambda, not scaled by the hidden size
 
 # L3GPT's module classes, matched by name so that they are also found when L3GPT is loaded as remote code.
 _L3_LAYER_CLASS_NAMES = ("LargeLookupLayer",)
@@ -35,47 +27,43 @@ _SMEAR_CLASS_NAMES = ("L3GPTSmear",)
 
 def param_groups_by_kind(
     model: nn.Module,
+    learning_rates: GroupLearningRates | None = None,
     *,
-    matrix_lr: float = MATRIX_LR,
-    embedding_lr: float = EMBEDDING_LR,
-    unembedding_lr: float = UNEMBEDDING_LR,
-    scalar_lr: float = SCALAR_LR,
-    l3_table_lr: float | None = None,
-    value_embedding_lr: float | None = None,
-    smear_lr: float = SMEAR_LR,
     hidden_size: int | None = None,
+    batch_lr_scale: float = 1.0,
+    **changes,
 ) -> list[dict]:
     """Split the trainable parameters of `model` into MuonAdamW groups by module type and shape.
 
-    | group name        | kind  | what                                                       | lr                       |
-    |-------------------|-------|------------------------------------------------------------|--------------------------|
-    | `matrix`          | muon  | 2-D weights of every `nn.Linear` except the output head    | `matrix_lr`              |
-    | `embedding`       | adamw | `get_input_embeddings()` and any other `nn.Embedding`      | `embedding_lr · s`       |
-    | `l3_table`        | adamw | the `nn.Embedding`s inside an L3 `LargeLookupLayer`        | `l3_table_lr · s`        |
-    | `value_embedding` | adamw | the `nn.Embedding`s inside L3GPT's `L3GPTValueEmbeddings`  | `value_embedding_lr · s` |
-    | `unembedding`     | adamw | `get_output_embeddings()` (when tied: the shared weight)   | `unembedding_lr · s`     |
-    | `scalar`          | adamw | 0-/1-D parameters: norm gains, biases, `x0_lambdas`        | `scalar_lr`              |
-    | `residual_scalar` | adamw | a module's `resid_lambdas` (L3GPT, nanochat)               | `scalar_lr · 0.01`       |
-    | `smear`           | adamw | `L3GPTSmear` (gate, `smear_lambda`) and `backout_lambda`   | `smear_lr`               |
+    | group name        | kind  | what                                                      | lr                       |
+    |-------------------|-------|-----------------------------------------------------------|--------------------------|
+    | `matrix`          | muon  | 2-D weights of every `nn.Linear` except the output head   | `matrix_lr·b`            |
+    | `embedding`       | adamw | `get_input_embeddings()` and any other `nn.Embedding`     | `embedding_lr·s·b`       |
+    | `l3_table`        | adamw | the `nn.Embedding`s inside an L3 `LargeLookupLayer`       | `l3_table_lr·s·b`        |
+    | `value_embedding` | adamw | the `nn.Embedding`s inside L3GPT's `L3GPTValueEmbeddings` | `value_embedding_lr·s·b` |
+    | `unembedding`     | adamw | `get_output_embeddings()` (when tied: the shared weight)  | `unembedding_lr·s·b`     |
+    | `scalar`          | adamw | 0-/1-D parameters: norm gains, biases, `x0_lambdas`       | `scalar_lr·b`            |
+    | `residual_scalar` | adamw | a module's `resid_lambdas` (L3GPT, nanochat)              | `scalar_lr·0.01·b`       |
+    | `smear`           | adamw | `L3GPTSmear` (gate, `smear_lambda`) and `backout_lambda`  | `smear_lr`               |
 
-    `s = (hidden_size / 768) ** -0.5` (nanochat scales its AdamW LRs so, having tuned them at 768).
-    The L3 tables default to `embedding_lr`: they are embedding rows gathered by token id, updated
-    only for the tokens in the batch, like the token embedding. The value embeddings default to
-    `0.5 · embedding_lr` and the smear group to 0.2, unscaled (nanochat's `setup_optimizer`); the value-embedding
-    gates are `nn.Linear`s in the decoder layers and go to Muon with the other matrices, as in nanochat. A tied
-    input/output embedding gets the unembedding LR (the input embedding's 0.3 would blow up the logits). Empty
-    groups are dropped; frozen parameters (`requires_grad=False`) are left out. Not reproduced from nanochat
-    (since 6ed7d1d): its per-group AdamW betas and weight decays (e.g. value embeddings betas (0.8, 0.995), weight
-    decay 0.01); here every AdamW group gets the same betas (`create_muon_optimizer`: the TrainingArguments') and
-    no weight decay. A parameter's shape is its `ds_shape` when
-    DeepSpeed ZeRO-3 has already partitioned it (`zero.Init`: the tensor itself is then empty and 1-D; grouping by
-    that shape would send every matrix to AdamW, DeepSpeed's own Muon bug #8438).
+    The LRs, their defaults (nanochat master 92d63d4's) and the scales `s` (hidden size) and `b` (total batch) are
+    `GroupLearningRates`'. The value-embedding gates are `nn.Linear`s in the decoder layers and go to Muon with the
+    other matrices, as in nanochat. A tied input/output embedding gets the unembedding LR (the input embedding's 0.3
+    would blow up the logits). Empty groups are dropped; frozen parameters (`requires_grad=False`) are left out. Not
+    reproduced from nanochat (since 6ed7d1d): its per-group AdamW betas and weight decays (e.g. value embeddings
+    betas (0.8, 0.995), weight decay 0.01); here every AdamW group gets the same betas (`create_muon_optimizer`: the
+    TrainingArguments') and no weight decay. A parameter's shape is its `ds_shape` when DeepSpeed ZeRO-3 has already
+    partitioned it (`zero.Init`: the tensor itself is then empty and 1-D; grouping by that shape would send every
+    matrix to AdamW, DeepSpeed's own Muon bug #8438).
 
     Args:
         model: any `nn.Module`; `get_output_embeddings()` / `get_input_embeddings()` are used when the
             model has them (transformers `PreTrainedModel`), which also covers Qwen3 and Llama.
-        hidden_size: for the LR scale `s`; default `model.config.hidden_size`, else the input
-            embedding width.
+        learning_rates: the LRs (any object with `GroupLearningRates`' fields, e.g. a `PretrainConfig`; None: the
+            defaults).
+        hidden_size: for the LR scale `s`; default `model.config.hidden_size`, else the input embedding width.
+        batch_lr_scale: `b`.
+        changes: LR fields that replace `learning_rates`' (`matrix_lr=0.03`, ...).
 
     Returns:
         list of dicts with `params`, `kind`, `name`, `lr`, ready for `MuonAdamW`.
@@ -83,14 +71,15 @@ def param_groups_by_kind(
     Raises:
         ValueError: for a trainable parameter of 2 or more dimensions outside `nn.Linear` / `nn.Embedding`
             (e.g. a convolution), naming it: Muon's LR and shape rules are not defined for it.
+        TypeError: for a key of `changes` that is no LR field.
     """
+    rates = GroupLearningRates.of(learning_rates, **changes)
     output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if hidden_size is None:
         hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
         if hidden_size is None and isinstance(input_embeddings, nn.Embedding):
             hidden_size = input_embeddings.embedding_dim
-    scale = (hidden_size / LR_REFERENCE_HIDDEN_SIZE) ** -0.5 if hidden_size else 1.0
 
     placed: dict[int, str] = {}
 
@@ -131,24 +120,13 @@ def param_groups_by_kind(
                     f"{type(module).__name__} is neither an nn.Linear/nn.Embedding weight nor 0-/1-D; MuonAdamW "
                     "has no rule for it. Freeze it, or build the param groups yourself (kind='adamw')."
                 )
-    learning_rates = {
-        "matrix": matrix_lr,
-        "embedding": embedding_lr * scale,
-        "l3_table": (embedding_lr if l3_table_lr is None else l3_table_lr) * scale,
-        "value_embedding": (
-            embedding_lr * VALUE_EMBEDDING_LR_FACTOR if value_embedding_lr is None else value_embedding_lr
-        ) * scale,
-        "unembedding": unembedding_lr * scale,
-        "scalar": scalar_lr,
-        "residual_scalar": scalar_lr * RESIDUAL_SCALAR_LR_FACTOR,
-        "smear": smear_lr,
-    }
-    by_name: dict[str, list[nn.Parameter]] = {name: [] for name in learning_rates}
+    group_lrs = rates.learning_rates(hidden_size, batch_lr_scale)
+    by_name: dict[str, list[nn.Parameter]] = {name: [] for name in group_lrs}
     for param in model.parameters():  # each shared parameter once, in model order
         if id(param) in placed:
             by_name[placed[id(param)]].append(param)
     return [
-        {"params": params, "kind": "muon" if name == "matrix" else "adamw", "name": name, "lr": learning_rates[name]}
+        {"params": params, "kind": "muon" if name == "matrix" else "adamw", "name": name, "lr": group_lrs[name]}
         for name, params in by_name.items()
         if params
     ]
@@ -173,10 +151,10 @@ def create_muon_optimizer(
     including its step count. Build it after moving `model` to its device and before wrapping it.
 
     How `TrainingArguments` apply:
-        - `args.learning_rate` is NOT used: each group has its own absolute LR (nanochat's, see
-          `param_groups_by_kind`; override with `matrix_lr=`, `embedding_lr=`, `unembedding_lr=`,
-          `scalar_lr=`, `l3_table_lr=`, `value_embedding_lr=`, `smear_lr=`). A warning says so when it differs
-          from `matrix_lr`. The Trainer's logged `learning_rate` is the first group's: the Muon matrix LR.
+        - `args.learning_rate` is NOT used: each group has its own absolute LR, `GroupLearningRates`' (nanochat's,
+          or `args`' own `matrix_lr`, `embedding_lr`, ... when `args` is a `GroupLearningRates`, as `PretrainConfig`
+          is; a keyword `matrix_lr=...` replaces either). A warning says so when it differs from `matrix_lr`. The
+          Trainer's logged `learning_rate` is the first group's: the Muon matrix LR.
         - `args.weight_decay` -> the Muon groups' (cautious, linearly decaying) weight decay; the AdamW
           groups get none, as in nanochat.
         - `args.adam_beta1`, `args.adam_beta2`, `args.adam_epsilon` -> every AdamW group (nanochat uses
@@ -185,9 +163,9 @@ def create_muon_optimizer(
 
     `compile_update`: `MuonAdamW`'s (None: each same-shape stack's Muon update is `torch.compile`d on CUDA only).
 
-    Other `hyperparameters`: `hidden_size` (LR scale) and any Muon group key of `MUON_DEFAULTS`
-    (`momentum`, `momentum_warmup_start`, `momentum_warmup_steps`, `beta2`, `cautious_weight_decay`,
-    `ns_coefficients`, `orthogonalize_dtype`, ...).
+    Other `hyperparameters`: the LR fields of `GroupLearningRates`, `hidden_size` and `batch_lr_scale` (the LR
+    scales, see `param_groups_by_kind`), and the fields of `MuonSettings` (`momentum`, `beta2`, `muon_eq`, ...: the
+    Muon groups' keys).
 
     Under DeepSpeed ZeRO-1/2/3 and FSDP2 the optimizer then runs Muon's sharded step (`hfl3.optim.sharded`).
 
@@ -197,14 +175,13 @@ def create_muon_optimizer(
             unknown hyperparameter.
     """
     refuse_unsupported_sharding(args)
-    lr_keys = ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "l3_table_lr", "value_embedding_lr",
-               "smear_lr", "hidden_size")
-    group_kwargs = {key: hyperparameters.pop(key) for key in lr_keys if key in hyperparameters}
-    allowed = set(MUON_DEFAULTS) - {"lr", "weight_decay"}
-    if set(hyperparameters) - allowed:
+    learning_rate_keys = {item.name for item in fields(GroupLearningRates)}
+    muon_keys = {item.name for item in fields(MuonSettings)}
+    unknown = set(hyperparameters) - learning_rate_keys - muon_keys - {"hidden_size", "batch_lr_scale"}
+    if unknown:
         raise ValueError(
-            f"create_muon_optimizer: unknown hyperparameters {sorted(set(hyperparameters) - allowed)}; the LRs are "
-            f"{list(lr_keys[:-1])}, the weight decay is args.weight_decay, the Muon keys are {sorted(allowed)}"
+            f"create_muon_optimizer: unknown hyperparameters {sorted(unknown)}; the LRs are {sorted(learning_rate_keys)}, "
+            f"the weight decay is args.weight_decay, the Muon keys are {sorted(muon_keys)}"
         )
     if num_training_steps is None and getattr(args, "max_steps", -1) > 0:
         num_training_steps = args.max_steps
@@ -213,9 +190,12 @@ def create_muon_optimizer(
             "create_muon_optimizer: weight_decay decays linearly to 0 over training, so the number of steps is "
             "needed: pass num_training_steps=... or set max_steps in the TrainingArguments"
         )
-    groups = param_groups_by_kind(model, **group_kwargs)
-    matrix_lr = group_kwargs.get("matrix_lr", MATRIX_LR)
-    if not math.isclose(args.learning_rate, matrix_lr):
+    muon = {key: value for key, value in hyperparameters.items() if key in muon_keys}
+    rates = GroupLearningRates.of(args if isinstance(args, GroupLearningRates) else None,
+                                  **{key: value for key, value in hyperparameters.items() if key in learning_rate_keys})
+    groups = param_groups_by_kind(model, rates, hidden_size=hyperparameters.get("hidden_size"),
+                                  batch_lr_scale=hyperparameters.get("batch_lr_scale", 1.0))
+    if not math.isclose(args.learning_rate, rates.matrix_lr):
         logger.warning(
             "create_muon_optimizer: TrainingArguments.learning_rate=%g is not used; MuonAdamW groups keep their own "
             "LRs (%s). Pass matrix_lr=... etc. to change them.",
@@ -224,7 +204,7 @@ def create_muon_optimizer(
         )
     for group in groups:
         if group["kind"] == "muon":
-            group.update(hyperparameters, weight_decay=args.weight_decay)
+            group.update(muon, weight_decay=args.weight_decay)
         else:
             group.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
     return MuonAdamW(groups, num_training_steps=num_training_steps, compile_update=compile_update)

@@ -39,8 +39,8 @@ bit-identically. A parameter whose `.grad` is None at a step is skipped, as `tor
 momentum and moments stay as they are (its stack runs on the matrices that have a gradient; AdamW's lists are
 filtered). Its state exists from the first step on, as zeros, which is what a later first update starts from.
 
-Schedules (as nanochat's base_train): the Muon momentum warms up linearly from 0.85 to 0.95 over the
-first 300 optimizer steps, and every group's weight decay decays linearly to 0 over
+Schedules (as nanochat's base_train): the Muon momentum warms up linearly (`MuonSettings.momentum_warmup_start`
+to `momentum` over `momentum_warmup_steps`), and every group's weight decay decays linearly to 0 over
 `num_training_steps`. Both read the optimizer's own step count, kept in each param group (`step`),
 so `state_dict()` carries it and a Trainer resume continues identically. The LR itself is left to
 the Trainer's scheduler, which multiplies every group's `initial_lr`.
@@ -53,53 +53,31 @@ matrix gathered whole on an owner rank, round-robin over each same-shape stack, 
 setups it cannot run under are refused before training (`hfl3.optim.refuse_unsupported_sharding`) or when the
 group is first laid out. The update itself (`muon_update` and its parts): `hfl3.optim.update`.
 
-Grouping a model's parameters and building the optimizer from `TrainingArguments`: `hfl3.optim.groups`.
+Grouping a model's parameters and building the optimizer from `TrainingArguments`: `hfl3.optim.groups`; every
+setting's default and its source: `hfl3.optim.settings`.
 """
 
 import logging
 import weakref
 from collections.abc import Iterable
+from dataclasses import asdict
 
 import torch
 from torch.optim.adamw import adamw
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from .muon_scaling import MUON_EQ_MODES
-from .update import (
-    POLAR_EXPRESS_COEFFICIENTS,
-    POLAR_EXPRESS_NORM_SAFETY,
-    muon_momentum,
-    muon_update,
-    weight_decay_factor,
-)
+from .settings import ADAMW_DEFAULTS, MUON_DEFAULTS, MuonSettings
+from .update import muon_momentum, muon_update, weight_decay_factor
 
 logger = logging.getLogger(__name__)
 
-MUON_DEFAULTS = {
-    "lr": 0.02,  # nanochat's matrix_lr
-    "momentum": 0.95,
-    "momentum_warmup_start": 0.85,
-    "momentum_warmup_steps": 300,
-    "nesterov": True,
-    "ns_coefficients": POLAR_EXPRESS_COEFFICIENTS,
-    "ns_norm_safety": POLAR_EXPRESS_NORM_SAFETY,
-    "eps": 1e-7,
-    "orthogonalize_dtype": "auto",
-    "beta2": 0.95,
-    "weight_decay": 0.0,
-    "cautious_weight_decay": True,
-    "muon_eq": "row",  # MuonEq before orthogonalising: "row", "column" or None (nanochat 4e014d3: rows, always on)
-    "muon_plus": True,  # Muon+ renormalisation after it (nanochat 4e014d3: always on)
-}
-ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.8, 0.95), "eps": 1e-10, "weight_decay": 0.0}
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 _SCHEDULED = ("momentum", "lr", "weight_decay")  # the values that change between steps
 
 
 class _MuonStack:
     """The same-shape matrices of one Muon group and their state as stacked buffers; `optimizer.state` holds views."""
 
-    def __init__(self, params: list[torch.Tensor], state: dict, orthogonalize_dtype: str, compiled: bool):
+    def __init__(self, params: list[torch.Tensor], state: dict, compiled: bool):
         first = params[0]
         rows, cols = first.shape
         self.params = params
@@ -112,7 +90,6 @@ class _MuonStack:
                     stacked[index].copy_(state[param][key])
                 state[param][key] = stacked[index]
         self.key = (tuple(first.shape), first.dtype, first.device)
-        self.dtype = _orthogonalize_dtype(orthogonalize_dtype, first.device)
         self.compiled = compiled
 
 
@@ -162,15 +139,11 @@ class MuonAdamW(torch.optim.Optimizer):
 
     Args:
         param_groups: list of dicts with `params`, `kind` (`"muon"` | `"adamw"`), optionally `name` and
-            any of the per-kind keys below; missing keys take the defaults shown.
-            Muon keys (`MUON_DEFAULTS`): `lr` 0.02, `momentum` 0.95, `momentum_warmup_start` 0.85,
-            `momentum_warmup_steps` 300, `nesterov` True, `ns_coefficients` (Polar Express, 5 steps),
-            `ns_norm_safety` 1.01, `eps` 1e-7, `orthogonalize_dtype` `"auto"` (bf16 on accelerators, fp32
-            on CPU: bf16 matmuls measured 50-100x slower than fp32 on an AVX2 CPU; or `"bfloat16"`/`"float32"`),
-            `beta2` 0.95 (NorMuon; None turns it off), `weight_decay` 0, `cautious_weight_decay` True,
-            `muon_eq` `"row"` (MuonEq: `"row"`, `"column"` or None, see `equilibrate`), `muon_plus` True (Muon+, see
-            `renormalize`); both on as in nanochat since 4e014d3, both off gives the Muon of before.
-            AdamW keys (`ADAMW_DEFAULTS`): `lr` 1e-3, `betas` (0.8, 0.95), `eps` 1e-10, `weight_decay` 0.
+            any of the per-kind keys; missing keys take their defaults (`hfl3.optim.settings`). Muon keys
+            (`MUON_DEFAULTS`): `lr` (default `GroupLearningRates.matrix_lr`), `weight_decay` (0) and the fields of
+            `MuonSettings` (momentum and its warm-up, Nesterov, Polar Express, NorMuon, cautious weight decay,
+            MuonEq, Muon+; each with its default and source there). AdamW keys (`ADAMW_DEFAULTS`): `lr`, `betas`,
+            `eps`, `weight_decay`.
         num_training_steps: total optimizer steps; every group's weight decay decays linearly to 0 over
             them. None keeps the weight decay constant.
         compile_update: run each stack's Muon update as one `torch.compile`d graph (`muon_update`, compiled
@@ -246,15 +219,8 @@ class MuonAdamW(torch.optim.Optimizer):
         if unknown:
             raise ValueError(f"MuonAdamW: param group {index} ({kind}) has unknown keys {sorted(unknown)}")
         group = {**defaults, "name": kind, **param_group, "step": 0, "num_training_steps": self.num_training_steps}
-        if kind == "muon":
-            if group["orthogonalize_dtype"] not in (*_DTYPES, "auto"):
-                raise ValueError(
-                    f"MuonAdamW: orthogonalize_dtype={group['orthogonalize_dtype']!r}; expected 'auto' or one of "
-                    f"{sorted(_DTYPES)}"
-                )
-            if group["muon_eq"] not in (*MUON_EQ_MODES, None):
-                raise ValueError(f"MuonAdamW: muon_eq={group['muon_eq']!r}; expected one of {MUON_EQ_MODES} or None")
-            group["ns_coefficients"] = tuple(tuple(step) for step in group["ns_coefficients"])  # graph constants
+        if kind == "muon":  # validated, and ns_coefficients made tuples (constants of the compiled graph)
+            group.update(asdict(MuonSettings.from_group(group)))
         super().add_param_group(group)
         if kind == "muon":
             from .sharded import check_muon_parameter
@@ -335,7 +301,7 @@ class MuonAdamW(torch.optim.Optimizer):
         stacks = []
         for (_, _, device), members in by_shape.items():
             compiled = self.compile_update if self.compile_update is not None else device.type == "cuda"
-            stacks.append(_MuonStack(members, self.state, group["orthogonalize_dtype"], compiled))
+            stacks.append(_MuonStack(members, self.state, compiled))
         return _Layout(group, stacks)
 
     def muon_state_bytes(self) -> int:
@@ -360,40 +326,28 @@ class MuonAdamW(torch.optim.Optimizer):
             "lr": group["lr"],
             "weight_decay": weight_decay,
         }
-        constants = {
-            "beta2": group["beta2"],
-            "nesterov": group["nesterov"],
-            "cautious_weight_decay": group["cautious_weight_decay"],
-            "coefficients": group["ns_coefficients"],
-            "norm_safety": group["ns_norm_safety"],
-            "eps": group["eps"],
-            "muon_eq": group["muon_eq"],
-            "muon_plus": group["muon_plus"],
-        }
+        settings = MuonSettings.from_group(group)
         for stack in stacks:
             if not isinstance(stack, _MuonStack):  # a sharded group (ZeRO partition or FSDP2 shards), always eager
-                dtype = _orthogonalize_dtype(group["orthogonalize_dtype"], stack.device)
-                stack.step(**scheduled, **constants, dtype=dtype)
+                stack.step(**scheduled, settings=settings)
                 continue
             grads = [param.grad for param in stack.params]
             if all(grad is not None for grad in grads):
                 params = torch.stack(stack.params)
-                update, values = self._update_function(stack, scheduled, constants)
-                update(
-                    params, torch.stack(grads), stack.momentum_buffer, stack.second_moment,
-                    **values, **constants, dtype=stack.dtype,
-                )  # fmt: skip
+                update, values = self._update_function(stack, scheduled, settings)
+                update(params, torch.stack(grads), stack.momentum_buffer, stack.second_moment, **values,
+                       settings=settings)
                 torch._foreach_copy_(stack.params, list(params.unbind(0)))
             else:
-                _muon_step_with_gradients_only(stack, grads, scheduled, constants)
+                _muon_step_with_gradients_only(stack, grads, scheduled, settings)
 
-    def _update_function(self, stack: _MuonStack, scheduled: dict, constants: dict):
+    def _update_function(self, stack: _MuonStack, scheduled: dict, settings: MuonSettings):
         """`muon_update` with the scheduled values as floats, or its compiled graph with them as 0-D tensors.
 
         Dynamo keeps at most `torch._dynamo.config.recompile_limit` graphs of one function (one per stack shape
-        and set of constants here) and, with `fullgraph=True`, fails beyond that; a stack past the limit runs eagerly.
+        and settings here) and, with `fullgraph=True`, fails beyond that; a stack past the limit runs eagerly.
         """
-        if not stack.compiled or not _reserve_graph((*stack.key, stack.dtype, *constants.items())):
+        if not stack.compiled or not _reserve_graph((*stack.key, settings)):
             return muon_update, scheduled
         if self._compiled_update is None:
             self._compiled_update = torch.compile(muon_update, dynamic=False, fullgraph=True)
@@ -431,7 +385,7 @@ class MuonAdamW(torch.optim.Optimizer):
         )
 
 
-def _muon_step_with_gradients_only(stack: _MuonStack, grads: list, scheduled: dict, constants: dict) -> None:
+def _muon_step_with_gradients_only(stack: _MuonStack, grads: list, scheduled: dict, settings: MuonSettings) -> None:
     """The rare step where some matrices of a stack have no gradient: update the others (eagerly), skip these."""
     present = [index for index, grad in enumerate(grads) if grad is not None]
     if not present:
@@ -440,10 +394,8 @@ def _muon_step_with_gradients_only(stack: _MuonStack, grads: list, scheduled: di
     momentum_views = [stack.momentum_buffer[index] for index in present]
     moment_views = [stack.second_moment[index] for index in present]
     stacked = [torch.stack(tensors) for tensors in (params, momentum_views, moment_views)]
-    muon_update(
-        stacked[0], torch.stack([grads[index] for index in present]), stacked[1], stacked[2],
-        **scheduled, **constants, dtype=stack.dtype,
-    )  # fmt: skip
+    muon_update(stacked[0], torch.stack([grads[index] for index in present]), stacked[1], stacked[2], **scheduled,
+                settings=settings)
     torch._foreach_copy_(
         params + momentum_views + moment_views, [row for tensor in stacked for row in tensor.unbind(0)]
     )
@@ -469,9 +421,3 @@ def _reserve_graph(signature: tuple) -> bool:
             "eagerly (raise the limit to compile it)", len(_COMPILED_SIGNATURES), "×".join(map(str, signature[0])),
         )  # fmt: skip
     return False
-
-
-def _orthogonalize_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return _DTYPES[name]

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .settings import MuonSettings
 from .update import decay_weights_, momentum_update_, muon_direction, shape_lr_scale
 
 logger = logging.getLogger(__name__)
@@ -144,12 +145,13 @@ class ShardedMuon:
                 f"{total_bytes / 2**20:.2f} MB)")
 
     def step(self, params: torch.Tensor, grads: torch.Tensor, momentum_buffer: torch.Tensor,
-             second_moment: torch.Tensor, *, momentum, lr, weight_decay, beta2, nesterov: bool,
-             cautious_weight_decay: bool, coefficients, norm_safety: float, eps: float, dtype: torch.dtype,
-             muon_eq: str | None, muon_plus: bool) -> None:
+             second_moment: torch.Tensor, *, momentum: float, lr: float, weight_decay: float,
+             settings: MuonSettings) -> None:
         """One Muon step of this rank's shards, in place: `params`, `momentum_buffer` (both `(local_numel,)`) and
-        `second_moment` (`(local_moment_numel,)`, fp32). Every rank of the process group must call it."""
-        update = momentum_update_(grads, momentum_buffer, momentum, nesterov)
+        `second_moment` (`(local_moment_numel,)`, fp32), with this step's `momentum`, `lr` and (scheduled)
+        `weight_decay` and the group's `settings`, as `hfl3.optim.update.muon_update` takes them. Every rank of the
+        process group must call it."""
+        update = momentum_update_(grads, momentum_buffer, momentum, settings.nesterov)
         received = self._exchange(_pack([update, second_moment], self.send_plan), self.receive_sizes, self.send_sizes)
         owned = [torch.empty(n, dtype=torch.float32, device=params.device)
                  for n in (self.owned_numel, self.owned_moment_numel)]
@@ -158,13 +160,11 @@ class ShardedMuon:
             stack = owned[0].narrow(0, start, count * rows * cols).view(count, rows, cols)
             shape = moment_shape(rows, cols)
             moment = owned[1].narrow(0, moment_start, count * math.prod(shape)).view(count, *shape)
-            stack.copy_(muon_direction(stack, moment, beta2=beta2, coefficients=coefficients,
-                                       norm_safety=norm_safety, eps=eps, dtype=dtype, muon_eq=muon_eq,
-                                       muon_plus=muon_plus))
+            stack.copy_(muon_direction(stack, moment, settings))
         returned = self._exchange(_pack(owned, self.receive_plan), self.send_sizes, self.receive_sizes)
         directions = torch.zeros(self.local_numel, dtype=torch.float32, device=params.device)  # padding stays 0
         _unpack(returned, [directions, second_moment], self.send_plan)
-        decay_weights_(params, directions, lr, weight_decay, cautious_weight_decay)
+        decay_weights_(params, directions, lr, weight_decay, settings.cautious_weight_decay)
         for scale, spans in self.scaled_spans:
             torch._foreach_add_([params.narrow(0, start, length) for start, length in spans],
                                 [directions.narrow(0, start, length) for start, length in spans], alpha=-lr * scale)
@@ -226,10 +226,11 @@ class ZeroShardedGroup:
         logger.info("MuonAdamW %r under DeepSpeed ZeRO: %s", group_name,
                     self.plan.describe(state_bytes, flat.element_size()))
 
-    def step(self, **settings) -> None:
+    def step(self, **values) -> None:
+        """`ShardedMuon.step` on this rank's partition (`values`: its keywords)."""
         if self.flat.grad is not None:
             self.plan.step(self.flat, self.flat.grad, self.state["momentum_buffer"], self.state["second_moment"],
-                           **settings)
+                           **values)
 
 
 def _zero12_layout(flat, matrices, group_name):
@@ -360,7 +361,8 @@ class FSDP2ShardedGroup:
         logger.info("MuonAdamW %r under FSDP2: %s", group_name,
                     self.plan.describe(state_bytes, self.momentum.element_size()))
 
-    def step(self, **settings) -> None:
+    def step(self, **values) -> None:
+        """`ShardedMuon.step` on this rank's shards (`values`: its keywords)."""
         grads = [param.grad for param in self.params]
         if all(grad is None for grad in grads):
             return
@@ -371,7 +373,7 @@ class FSDP2ShardedGroup:
         local_params = [param.to_local() for param in self.params]
         params = torch.cat([local.reshape(-1) for local in local_params])
         grads = torch.cat([grad.to_local().reshape(-1) for grad in grads])
-        self.plan.step(params, grads, self.momentum, self.second_moment, **settings)
+        self.plan.step(params, grads, self.momentum, self.second_moment, **values)
         torch._foreach_copy_(local_params, [view.view_as(local) for view, local in
                                             zip(params.split(self.sizes), local_params)])
 

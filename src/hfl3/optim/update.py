@@ -1,7 +1,8 @@
 """Muon's update as functions of tensors (the formulas of `hfl3.optim.muon`'s docstring): Polar Express
 orthogonalisation, NorMuon, the momentum and weight-decay steps and the schedules. `MuonAdamW` runs them on stacks of
 whole matrices (`muon_update`); the sharded step (`hfl3.optim.sharded`) runs the element-wise parts on each rank's
-shard and `muon_direction` on whole matrices gathered on an owner rank."""
+shard and `muon_direction` on whole matrices gathered on an owner rank. Both take a group's constants as one
+`MuonSettings` (`hfl3.optim.settings`, where each default and its source is declared)."""
 
 import math
 from collections.abc import Sequence
@@ -9,18 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from .muon_scaling import equilibrate, renormalize
+from .settings import POLAR_EXPRESS_COEFFICIENTS, POLAR_EXPRESS_NORM_SAFETY, MuonSettings
 
-# Polar Express coefficients, arXiv 2505.16932 (Amsel, Persson, Musco, Gower), computed for num_iters=5,
-# safety_factor=2e-2, cushion=2; the values nanochat (nanochat/optim.py) and modded-nanogpt use.
-POLAR_EXPRESS_COEFFICIENTS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
-# The input is divided by 1.01·‖X‖_F so that every singular value starts below 1 (the paper's safety margin).
-POLAR_EXPRESS_NORM_SAFETY = 1.01
 
 def orthogonalize(
     matrix: torch.Tensor,
@@ -107,15 +98,7 @@ def muon_update(
     momentum: float | torch.Tensor,
     lr: float | torch.Tensor,
     weight_decay: float | torch.Tensor,
-    beta2: float | None,
-    nesterov: bool,
-    cautious_weight_decay: bool,
-    coefficients: Sequence[tuple[float, float, float]],
-    norm_safety: float,
-    eps: float,
-    dtype: torch.dtype,
-    muon_eq: str | None,
-    muon_plus: bool,
+    settings: MuonSettings,
 ) -> None:
     """One Muon step of `k` same-shape matrices, in place (the formulas of the module docstring).
 
@@ -125,25 +108,20 @@ def muon_update(
 
     The scheduled values `momentum`, `lr`, `weight_decay` are Python floats (eager: `add_`'s `alpha` then gives
     the same bits as `torch.optim.Muon`) or 0-D float32 CPU tensors (under `torch.compile`: a new value is not a
-    recompile). The other arguments are constants of the graph.
+    recompile). `settings` is a constant of the graph.
 
     Args:
         params (`torch.Tensor` of shape `(k, rows, cols)`): the weights, updated in place.
         grads (`torch.Tensor` of shape `(k, rows, cols)`): their gradients (not modified).
         momentum_buffer (`torch.Tensor` of shape `(k, rows, cols)`): updated in place.
         second_moment (`torch.Tensor` of shape `(k, rows, 1)` or `(k, 1, cols)`, fp32, or None): NorMuon's EMA,
-            updated in place; None (or `beta2` None) turns NorMuon off.
+            updated in place; None (or `settings.beta2` None) turns NorMuon off.
         momentum, lr, weight_decay: this step's values (`weight_decay` already scaled by its schedule).
-        beta2: NorMuon's EMA decay.
-        nesterov, cautious_weight_decay, coefficients, norm_safety, eps, dtype: see `MuonAdamW` and `orthogonalize`.
-        muon_eq, muon_plus: see `muon_direction`.
+        settings: the group's `nesterov`, `cautious_weight_decay` and what `muon_direction` reads.
     """
-    update = momentum_update_(grads, momentum_buffer, momentum, nesterov)
-    update = muon_direction(
-        update, second_moment, beta2=beta2, coefficients=coefficients, norm_safety=norm_safety, eps=eps, dtype=dtype,
-        muon_eq=muon_eq, muon_plus=muon_plus,
-    )
-    decay_weights_(params, update, lr, weight_decay, cautious_weight_decay)
+    update = momentum_update_(grads, momentum_buffer, momentum, settings.nesterov)
+    update = muon_direction(update, second_moment, settings)
+    decay_weights_(params, update, lr, weight_decay, settings.cautious_weight_decay)
     rows, cols = params.shape[-2:]
     _add_scaled_(params, update, -lr * shape_lr_scale(rows, cols))
 
@@ -161,37 +139,27 @@ def momentum_update_(
     return grads.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
 
 
-def muon_direction(
-    update: torch.Tensor,
-    second_moment: torch.Tensor | None,
-    *,
-    beta2: float | torch.Tensor | None,
-    coefficients: Sequence[tuple[float, float, float]],
-    norm_safety: float,
-    eps: float,
-    dtype: torch.dtype,
-    muon_eq: str | None,
-    muon_plus: bool,
-) -> torch.Tensor:
-    """MuonEq (when `muon_eq`), Polar Express, Muon+ (when `muon_plus`) on each whole matrix, then NorMuon (when
-    `second_moment` and `beta2` are given).
+def muon_direction(update: torch.Tensor, second_moment: torch.Tensor | None, settings: MuonSettings) -> torch.Tensor:
+    """MuonEq (when `settings.muon_eq`), Polar Express (`settings.ns_coefficients`, `ns_norm_safety`, `eps`, in
+    `settings.orthogonalize_dtype_on(update.device)`), Muon+ (when `settings.muon_plus`) on each whole matrix, then
+    NorMuon (when `second_moment` and `settings.beta2` are given).
 
     Args:
         update (`torch.Tensor` of shape `(k, rows, cols)` or `(rows, cols)`): the momentum (Nesterov) update.
         second_moment (`torch.Tensor` of shape `([k,] rows, 1)` or `([k,] 1, cols)`, fp32, or None): updated in place.
-        muon_eq: `equilibrate`'s mode (`"row"`, `"column"`) applied before orthogonalising, or None (off).
-        muon_plus: apply `renormalize` after orthogonalising.
+        settings: the group's `MuonSettings`.
 
     Returns:
-        `torch.Tensor` of the update's shape: fp32 with NorMuon, else in `dtype`.
+        `torch.Tensor` of the update's shape: fp32 with NorMuon, else in the orthogonalisation dtype.
     """
-    if muon_eq is not None:
-        update = equilibrate(update, muon_eq)
-    direction = orthogonalize(update, coefficients, norm_safety=norm_safety, eps=eps, dtype=dtype)
-    if muon_plus:
+    if settings.muon_eq is not None:
+        update = equilibrate(update, settings.muon_eq)
+    direction = orthogonalize(update, settings.ns_coefficients, norm_safety=settings.ns_norm_safety,
+                              eps=settings.eps, dtype=settings.orthogonalize_dtype_on(update.device))
+    if settings.muon_plus:
         direction = renormalize(direction)
-    if second_moment is not None and beta2 is not None:
-        direction = normuon_rescale(direction, second_moment, beta2)
+    if second_moment is not None and settings.beta2 is not None:
+        direction = normuon_rescale(direction, second_moment, settings.beta2)
     return direction
 
 
@@ -226,7 +194,8 @@ def _add_scaled_(target: torch.Tensor, other: torch.Tensor, alpha: float | torch
 def muon_momentum(step: int, momentum: float, warmup_start: float, warmup_steps: int) -> float:
     """Muon momentum at 0-based optimizer step `step`: linear `warmup_start -> momentum` over `warmup_steps`.
 
-    nanochat scripts/base_train.py `get_muon_momentum`: 0.85 -> 0.95 over the first 300 steps.
+    The rule of nanochat base_train's `get_muon_momentum` (its master also warms the momentum down at the end); the
+    defaults, 0.85 -> 0.95 over 300 steps, are `MuonSettings`'.
     """
     fraction = min(step / warmup_steps, 1.0) if warmup_steps > 0 else 1.0
     return (1 - fraction) * warmup_start + fraction * momentum

@@ -1,17 +1,21 @@
-"""Output folders and checkpoints that survive a kill (DESIGN decision 13; issue 15 items 1, 3, 4, 5, 9).
+"""Output folders and checkpoints that survive a kill: nothing is lost, and nothing of this machine leaks.
 
-- `prepare_output_dir(args)`: the recipes' first call. Refuses a non-empty `output_dir` unless the run resumes
-  (`--resume_from_checkpoint latest|true|PATH`) or `--overwrite_output_dir` is given; resolves `latest`/`true` to
-  the newest complete checkpoint (`latest_checkpoint`); finishes a final folder whose commit was interrupted.
-  Nothing in `output_dir` is touched before training.
+- `prepare_output_dir(args)`: the recipes' first call (made while their arguments are parsed). Refuses a non-empty
+  `output_dir` unless the run resumes (`--resume_from_checkpoint latest|true|PATH`) or `--overwrite_output_dir` is
+  given, and a push that could not happen; resolves `latest`/`true` to the newest complete checkpoint
+  (`latest_checkpoint`); finishes a final folder whose commit was interrupted. Nothing in `output_dir` is touched
+  before training.
 - `OutputFolderMixin` (a Trainer mixin, with `hfl3.provenance.ProvenanceMixin`): every checkpoint is written to
   `output_dir/_hfl3_staging/checkpoints/checkpoint-N` and renamed to `output_dir/checkpoint-N` once complete, with
   `hfl3_run.json` (the run's fingerprint and its loss and time so far); a resume refuses a checkpoint of another
   model config, tokenizer or data, naming the difference, and reports `train_loss` and throughput over the whole
   run; `finish_output()` stages the final folder and commits it; `push_output()` uploads it.
+- An adapter's base model (`SFTOutputs`): the local `adapter_config.json` names a local base by its absolute path,
+  the only local path in any output, because PEFT resolves `base_model_name_or_path` against the working directory;
+  what is pushed names the base's Hub id (`base_model_hub_id`).
 
 Layout of the staging area, ignored by `get_last_checkpoint`, `rotate_checkpoints` and the Hub upload:
-`output_dir/_hfl3_staging/{checkpoints/checkpoint-N, final, previous, work}`.
+`output_dir/_hfl3_staging/{checkpoints/checkpoint-N, final, previous, work, upload}`.
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import constants as hub_constants
 from transformers.trainer_pt_utils import nested_gather
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from hfl3.evaluate.core import core_eval_results
 from hfl3.provenance import ProvenanceMixin, portable, sha256_records, write_json_atomic
+from hfl3.trainers.inputs import is_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +47,6 @@ COMPLETE = ".complete"
 LATEST = ("latest", "true", "True", "1")
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _WEIGHTS = re.compile(r".*\.(safetensors|bin|pt)$|.*\.index\.json$")
-_HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def work_dir(output_dir: str | os.PathLike) -> Path:
@@ -91,19 +97,30 @@ def resolve_checkpoint(output_dir: str | os.PathLike, resume_from_checkpoint: st
 
 def prepare_output_dir(args) -> str | None:
     """Check and resolve where a run writes, before any data or model work. Sets `args.resume_from_checkpoint` to
-    the checkpoint folder to resume from (or None) and returns it.
+    the checkpoint folder to resume from (or None) and returns it. The recipes call it while parsing their arguments
+    (so a refusal is an argument error, exit status 2) and again first in `main`, where a resolved checkpoint is a
+    plain path: nothing is repeated but the checks.
 
     `--resume_from_checkpoint latest` (or `true`) means the newest complete checkpoint of `output_dir`; with none
     there the run starts from scratch (a warning says so), so a restart loop can always pass it.
 
     Raises:
-        FileExistsError: `output_dir` holds files and the run neither resumes nor has `--overwrite_output_dir`.
+        FileExistsError: `output_dir` is a file, or holds files and the run neither resumes nor has
+            `--overwrite_output_dir`.
+        PermissionError: `output_dir` cannot be created or written (its nearest existing folder is not writable).
         FileNotFoundError: `--resume_from_checkpoint PATH` is not a folder.
-        ValueError: `--push_to_hub` without `--hub_model_id`; the checkpoint given is incomplete.
+        ValueError: `--push_to_hub` without a valid `--hub_model_id`, or offline (`HF_HUB_OFFLINE=1`); the
+            checkpoint given is incomplete.
     """
     output_dir = Path(args.output_dir)
-    if args.push_to_hub and not args.hub_model_id:
-        raise ValueError("--push_to_hub needs --hub_model_id USER/NAME")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"--output_dir {output_dir}: is a file; expected a folder (created if missing)")
+    existing = next(folder for folder in (output_dir, *output_dir.absolute().parents) if folder.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"--output_dir {output_dir}: {'it' if existing == output_dir else existing} is not "
+                              "writable; expected a folder this user can create and write")
+    if args.push_to_hub:
+        check_push_arguments(args)
     final = output_dir / STAGING / "final"
     if args.should_save and (final / COMPLETE).is_file():
         logger.warning("%s: finishing the commit of a final folder interrupted by a kill", output_dir)
@@ -115,7 +132,8 @@ def prepare_output_dir(args) -> str | None:
                        output_dir)
     elif resume is not None and not latest:
         if not Path(resume).is_dir():
-            raise FileNotFoundError(f"--resume_from_checkpoint {resume}: no such folder")
+            raise FileNotFoundError(f"--resume_from_checkpoint {resume}: no such folder; expected a checkpoint-N "
+                                    "folder, or latest (the newest complete checkpoint in --output_dir)")
         if problem := checkpoint_problem(resume):
             raise ValueError(f"--resume_from_checkpoint {resume}: incomplete checkpoint ({problem}); pass "
                              "--resume_from_checkpoint latest for the newest complete one")
@@ -125,9 +143,25 @@ def prepare_output_dir(args) -> str | None:
     if resume is None and present and not overwrite:
         shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
         raise FileExistsError(
-            f"output_dir {output_dir} is not empty ({shown}): pass --resume_from_checkpoint latest to continue its "
+            f"--output_dir {output_dir}: not empty ({shown}); pass --resume_from_checkpoint latest to continue its "
             "run, --overwrite_output_dir to replace it when this run finishes, or another --output_dir")
     return resume
+
+
+def check_push_arguments(args) -> None:
+    """`--push_to_hub` needs a valid `--hub_model_id` and the network, checked before training rather than found
+    out at the upload that ends it.
+
+    Raises:
+        ValueError: no or an invalid `--hub_model_id`; `HF_HUB_OFFLINE=1`.
+    """
+    if not args.hub_model_id:
+        raise ValueError("--push_to_hub needs --hub_model_id USER/NAME")
+    if not is_hub_id(args.hub_model_id):
+        raise ValueError(f"--hub_model_id {args.hub_model_id}: not a Hub repository id; expected USER/NAME")
+    if hub_constants.is_offline_mode():
+        raise ValueError("--push_to_hub: HF_HUB_OFFLINE=1 is set, so the upload that ends the run would fail; unset "
+                         "it, or drop --push_to_hub and upload the output folder later")
 
 
 def commit_folder(staged: str | os.PathLike, folder: str | os.PathLike) -> None:
@@ -153,24 +187,33 @@ def commit_folder(staged: str | os.PathLike, folder: str | os.PathLike) -> None:
     shutil.rmtree(folder / STAGING)  # the run is over: its staged checkpoints and work files go too
 
 
-def portable_base_model(name_or_path: str, adapter_folder: str | os.PathLike) -> str:
-    """What an adapter records as its base model (`adapter_config.json`'s `base_model_name_or_path`, the card):
-    a Hub id as given; for a local folder, the Hub id it knows (its `metadata.json`'s `hub_model_id`, or a Hub-id
-    `_name_or_path` in its `config.json`), else its path relative to `adapter_folder` (`../pretrain_demo`). Never an
-    absolute path of this machine (issue 15 item 6), and resolvable from the adapter's folder wherever both folders
-    are moved together (issue 14 item 8)."""
+def base_model_hub_id(name_or_path: str, given: str | None = None) -> str | None:
+    """The Hub id of a base model, for what is pushed to the Hub (its `adapter_config.json` and card): `given`
+    (`--base_model_hub_id`); `name_or_path` itself when it is not a local folder (a Hub id); else what the folder
+    knows: the `hub_model_id` in its `metadata.json` (an hfl3 pretraining run that named its Hub repository), or the
+    repository of a Hugging Face cache snapshot (`.../models--OWNER--NAME/snapshots/REVISION`). None when nothing
+    names one."""
+    if given:
+        return given
     base = Path(name_or_path)
     if not base.is_dir():
         return name_or_path
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         hub_id = json.loads((base / "metadata.json").read_text()).get("training_args", {}).get("hub_model_id")
-        if hub_id and _HUB_REPO_ID.match(hub_id):
+        if hub_id and is_hub_id(hub_id):
             return hub_id
-    with contextlib.suppress(OSError, ValueError):
-        known = json.loads((base / "config.json").read_text()).get("_name_or_path")
-        if known and _HUB_REPO_ID.match(known) and not Path(known).exists():
-            return known
-    return os.path.relpath(base.resolve(), Path(adapter_folder).resolve())
+    resolved = base.resolve()
+    if resolved.parent.name == "snapshots" and resolved.parent.parent.name.startswith("models--"):
+        return resolved.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return None
+
+
+def local_base_model(name_or_path: str) -> str:
+    """What a locally written `adapter_config.json` names as `base_model_name_or_path`: a local folder as its
+    absolute path, because PEFT (`AutoPeftModelForCausalLM`, vLLM, TRL's scripts) resolves it against the working
+    directory of whoever loads the adapter; a Hub id as given. The one place an hfl3 output holds a local path: the
+    copy pushed to the Hub names the base's Hub id instead (`SFTOutputs.hub_files`)."""
+    return str(Path(name_or_path).resolve()) if Path(name_or_path).is_dir() else name_or_path
 
 
 def _differences(saved: Mapping, current: Mapping, prefix: str = "") -> list[str]:
@@ -339,20 +382,64 @@ class OutputFolderMixin(ProvenanceMixin):
             commit_folder(staged, final)
         self.accelerator.wait_for_everyone()
 
+    def save_metrics(self, split, metrics, combined=True):
+        """`Trainer.save_metrics` with the values made `portable` (a `best_model_checkpoint` is a local path)."""
+        super().save_metrics(split, portable(metrics), combined)
+
+    def save_state(self):
+        """`Trainer.save_state`, then the written `trainer_state.json` made `portable` (its `best_model_checkpoint`
+        is a local path; a checkpoint's own copy keeps it, for resuming)."""
+        super().save_state()
+        path = Path(self.args.output_dir) / "trainer_state.json"
+        if self.args.should_save and path.is_file():
+            write_json_atomic(path, portable(json.loads(path.read_text())))
+
+    def hub_files(self, folder: Path) -> dict[str, Any]:
+        """Files of `folder` whose pushed copy differs from the local one: `{name: JSON value}` (none here)."""
+        return {}
+
     def push_output(self, folder: str | os.PathLike | None = None) -> str | None:
         """Upload the committed output folder (or `folder` inside it, e.g. `merged`) to `hub_model_id` when
         `--push_to_hub` was given (main process; huggingface_hub's `upload_folder`, checkpoints and staging left
-        out). Returns the commit URL, or None when nothing was pushed."""
+        out). Files that `hub_files` rewrites are uploaded from a copy in `_hfl3_staging/upload` (the other files
+        hard-linked there), which is removed afterwards. Returns the commit URL, or None when nothing was pushed."""
         if not (self.push_at_end and self.is_world_process_zero()):
             return None
         from hfl3.provenance import push_folder_to_hub
 
-        return push_folder_to_hub(Path(self.final_output_dir) / (folder or ""), self.args.hub_model_id,
-                                  private=self.args.hub_private_repo, token=self.args.hub_token)
+        source = Path(self.final_output_dir) / (folder or "")
+        replaced = self.hub_files(source)
+        upload = Path(self.final_output_dir) / STAGING / "upload"
+        if replaced:
+            shutil.rmtree(upload, ignore_errors=True)
+            shutil.copytree(source, upload, copy_function=_link_or_copy,
+                            ignore=shutil.ignore_patterns(f"{PREFIX_CHECKPOINT_DIR}-*", "merged", STAGING))
+            for name, value in replaced.items():
+                (upload / name).unlink()  # a hard link: writing through it would change the local file
+                write_json_atomic(upload / name, value)
+        try:
+            return push_folder_to_hub(upload if replaced else source, self.args.hub_model_id,
+                                      private=self.args.hub_private_repo, token=self.args.hub_token)
+        finally:
+            if replaced:
+                shutil.rmtree(upload, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    upload.parent.rmdir()
 
 
-def _usage_name(trainer: OutputFolderMixin) -> str:
-    return trainer.args.hub_model_id if trainer.push_at_end else portable(str(Path(trainer.final_output_dir)))
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)  # the weights are not copied
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def usage_name(trainer: OutputFolderMixin, folder: str | os.PathLike | None = None) -> str:
+    """The name a card's snippet loads the output by: `hub_model_id` when the run pushes, else the output folder (or
+    `folder`) as a path relative to the working directory (`portable`)."""
+    if trainer.push_at_end:
+        return trainer.args.hub_model_id
+    return portable(str(Path(folder if folder is not None else trainer.final_output_dir)))
 
 
 class L3GPTOutputs(OutputFolderMixin):
@@ -362,20 +449,27 @@ class L3GPTOutputs(OutputFolderMixin):
         results = metadata.get("results") or {}
         bpb = results.get("eval_bpb")
         start = results.get("initial_eval_bpb")
+        core = (metadata.get("evaluation") or {}).get("core")
         text = (f"L3GPT pretrained with hfl3 on `{portable(str(metadata.get('data', {}).get('source')))}`"
                 + (f": validation bpb {bpb:.4f}" if bpb is not None else "")
-                + (f" (from {start:.4f} at step 0)" if start is not None else "") + ".\n\n"
+                + (f" (from {start:.4f} at step 0)" if start is not None else "")
+                + (f"; CORE {core['core_metric']:.4f} over {len(core['results'])} tasks" if core else "") + ".\n\n"
                 f"```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-                f"model = AutoModelForCausalLM.from_pretrained({_usage_name(self)!r}, trust_remote_code=True)  "
+                f"model = AutoModelForCausalLM.from_pretrained({usage_name(self)!r}, trust_remote_code=True)  "
                 f"# or `import hfl3` first\n"
                 "# AutoTokenizer reads config.json, whose auto_map names remote code: say so, or it asks [y/N]\n"
-                f"tokenizer = AutoTokenizer.from_pretrained({_usage_name(self)!r}, trust_remote_code=True)\n```")
-        return {"title": "L3GPT (hfl3)", "extra_markdown": text, "tags": ("hfl3", "l3gpt")}
+                f"tokenizer = AutoTokenizer.from_pretrained({usage_name(self)!r}, trust_remote_code=True)\n```")
+        card = {"title": "L3GPT (hfl3)", "extra_markdown": text, "tags": ("hfl3", "l3gpt")}
+        if core:  # the model-index of the Hub's evaluation results
+            card.update(eval_results=core_eval_results(core), model_name=Path(usage_name(self)).name)
+        return card
 
 
 class SFTOutputs(OutputFolderMixin):
     """`OutputFolderMixin` for LoRA adapters: the adapter card, and `adapter_config.json`'s
-    `base_model_name_or_path` made portable (`portable_base_model`)."""
+    `base_model_name_or_path`: locally the base's absolute path when it is a local folder (`local_base_model`), in the
+    copy pushed to the Hub the base's Hub id (`hub_files`). The Hub id comes from `provenance["base_model"]["hub_id"]`
+    (the recipe's `--base_model_hub_id`, or `base_model_hub_id`)."""
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         super()._save(output_dir, state_dict)
@@ -383,37 +477,59 @@ class SFTOutputs(OutputFolderMixin):
         if self.args.should_save and config.is_file():
             values = json.loads(config.read_text())
             if values.get("base_model_name_or_path"):
-                values["base_model_name_or_path"] = portable_base_model(values["base_model_name_or_path"],
-                                                                        self.final_output_dir)
+                values["base_model_name_or_path"] = local_base_model(values["base_model_name_or_path"])
                 write_json_atomic(config, values)
 
+    def base_hub_id(self, local_name: str | None = None) -> str | None:
+        """The base model's Hub id: `provenance["base_model"]["hub_id"]`, else `base_model_hub_id(local_name)`."""
+        known = ((self.provenance or {}).get("base_model") or {}).get("hub_id")
+        return known or (base_model_hub_id(local_name) if local_name else None)
+
+    def hub_files(self, folder: Path) -> dict[str, Any]:
+        """The pushed `adapter_config.json` names the base's Hub id, never a local path.
+
+        Raises:
+            ValueError: the base is a local folder with no known Hub id (the recipe refuses this before training).
+        """
+        config = folder / "adapter_config.json"
+        if not config.is_file():
+            return {}
+        values = json.loads(config.read_text())
+        hub_id = self.base_hub_id(values.get("base_model_name_or_path"))
+        if hub_id is None:
+            raise ValueError(f"not pushed: the base model {portable(values.get('base_model_name_or_path'))} is a "
+                             "local folder with no Hub id; pass --base_model_hub_id USER/NAME")
+        return {"adapter_config.json": {**values, "base_model_name_or_path": hub_id}}
+
     def model_card(self, metadata: Mapping[str, Any]) -> dict:
-        return sft_model_card(metadata, _usage_name(self), self.final_output_dir, adapter=True)
+        return sft_model_card(metadata, usage_name(self), adapter=True)
 
 
-def sft_model_card(metadata: Mapping[str, Any], name: str, folder: str | os.PathLike, adapter: bool) -> dict:
-    """`write_model_card` arguments for an SFT output: how to load it (from any working directory), the results."""
-    base_path = (metadata.get("base_model") or {}).get("name_or_path") or ""
-    base = portable_base_model(base_path, folder) if base_path else None
-    if not adapter:
-        usage = (f"Full model: base weights with the LoRA adapter merged in, trained with hfl3's "
-                 f"`recipes/sft_lora.py`.\n\n```python\nimport hfl3  # only needed for L3GPT models\n"
-                 f"from transformers import AutoModelForCausalLM\n"
-                 f"model = AutoModelForCausalLM.from_pretrained({name!r})\n```")
-    elif base and not Path(base_path).is_dir():
-        usage = (f"LoRA adapter of `{base}` trained with hfl3's `recipes/sft_lora.py` (loss on assistant tokens "
-                 f"only).\n\n```python\nfrom peft import AutoPeftModelForCausalLM\n"
+def sft_model_card(metadata: Mapping[str, Any], name: str, adapter: bool) -> dict:
+    """`write_model_card` arguments for an SFT output loaded as `name` (a Hub id, or a folder relative to the working
+    directory): the snippet that loads it, the results. The base is named by its Hub id when known
+    (`metadata["base_model"]["hub_id"]`), else as the local folder it was."""
+    base = metadata.get("base_model") or {}
+    hub_id = base.get("hub_id")
+    shown = hub_id or portable(str(base.get("name_or_path")))
+    register = ("import hfl3  # registers L3GPT; without hfl3 pass trust_remote_code=True to from_pretrained\n"
+                if base.get("model_type") == "l3gpt" else "")
+    if adapter:
+        usage = (f"LoRA adapter of `{shown}`{'' if hub_id else ' (a local folder)'}, trained with hfl3's "
+                 f"`recipes/sft_lora.py` (loss on assistant tokens only).\n\n```python\n{register}"
+                 f"from peft import AutoPeftModelForCausalLM\n"
                  f"model = AutoPeftModelForCausalLM.from_pretrained({name!r})\n```")
+        if not hub_id:
+            usage += ("\n\n`adapter_config.json` names the base folder by its absolute path (PEFT resolves a relative "
+                      "one against the working directory), so the adapter loads from any working directory on this "
+                      "machine; if the base folder moves, update `base_model_name_or_path` there.")
     else:
-        usage = (f"LoRA adapter trained with hfl3's `recipes/sft_lora.py` (loss on assistant tokens only) on the "
-                 f"local base model `{base}` (relative to this folder).\n\n```python\nfrom pathlib import Path\n"
-                 f"import hfl3  # only needed for L3GPT base models\nfrom peft import PeftModel\n"
-                 f"from transformers import AutoModelForCausalLM\nadapter = Path({name!r})  # this folder\n"
-                 f"base = AutoModelForCausalLM.from_pretrained(adapter / {base!r})\n"
-                 f"model = PeftModel.from_pretrained(base, adapter)\n```")
+        usage = (f"Full model: `{shown}` with the LoRA adapter merged in, trained with hfl3's `recipes/sft_lora.py`."
+                 f"\n\n```python\n{register}from transformers import AutoModelForCausalLM\n"
+                 f"model = AutoModelForCausalLM.from_pretrained({name!r})\n```")
     results = metadata.get("results")
     if results:
         usage += "\n\n## Results\n\n" + "\n".join(f"- {k}: {v}" for k, v in sorted(results.items()))
-    return {"title": f"{Path(name).name} (LoRA SFT of {base})", "extra_markdown": usage,
-            "library_name": "peft" if adapter else "transformers", "tags": ("hfl3", "sft", "lora", "trl"),
-            "base_model": base}
+    return {"title": f"{Path(name).name} (LoRA SFT of {Path(shown).name if not hub_id else hub_id})",
+            "extra_markdown": usage, "library_name": "peft" if adapter else "transformers",
+            "tags": ("hfl3", "sft", "lora", "trl"), "base_model": hub_id}

@@ -10,10 +10,15 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 from transformers import EvalPrediction, Trainer, TrainingArguments
+from transformers.trainer_utils import speed_metrics
 
 from hfl3 import fp8
+from hfl3.callbacks import ThroughputCallback
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DATA_STATE_KEY, PackedStream, StreamBatch, StreamProgress, stream_dataloader
+from hfl3.optim.settings import GroupLearningRates
+from hfl3.trainers.compute_optimal import derive_gradient_accumulation_steps
+from hfl3.evaluate.callback import check_core_arguments
 from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
 from hfl3.trainers.outputs import L3GPTOutputs, resolve_checkpoint
 
@@ -21,24 +26,43 @@ logger = logging.getLogger(__name__)
 
 
 MUON = "muon"
-"""`PretrainConfig.optim` value that selects `hfl3.optim.MuonAdamW` (not one of transformers' `OptimizerNames`)."""
+"""`--optim muon`: hfl3's spelling of `use_muon=True` (not one of transformers' `OptimizerNames`)."""
 
 
 @dataclass
-class PretrainConfig(TrainingArguments):
+class PretrainConfig(GroupLearningRates, TrainingArguments):
     """`TrainingArguments` for pretraining, with nanochat's choices.
 
-    `optim` takes `"muon"` besides transformers' `OptimizerNames`: `hfl3.optim.MuonAdamW` with nanochat's groups
-    (`hfl3.optim.groups`), whose learning rates are the `*_lr` fields (None: nanochat's; `learning_rate` is then not
-    used). transformers validates `optim` as an `OptimizerNames` in `TrainingArguments.__post_init__`, so
-    `__post_init__` runs it with "adamw_torch" in its place and sets "muon" back afterwards (a plain `str`; nothing in
-    the Trainer reads it once `L3GPTTrainer.create_optimizer` has built the optimizer). Any other `optim` is the
-    Trainer's own optimizer, with weight decay on >= 2-D weights only (`L3GPTTrainer.get_decay_parameter_names`).
+    `use_muon` (spelled `--optim muon` too) trains with `hfl3.optim.MuonAdamW` and nanochat's parameter groups
+    (`hfl3.optim.groups`), whose learning rates are the fields inherited from `hfl3.optim.GroupLearningRates`
+    (`matrix_lr`, `embedding_lr`, `unembedding_lr`, `scalar_lr`, `l3_table_lr`, `value_embedding_lr`, `smear_lr`:
+    defaults, meaning and source declared there once; `learning_rate` is then not used). transformers 5.23 has no
+    way to register an optimizer name: `TrainingArguments.__post_init__` converts `optim` to its closed enum
+    `OptimizerNames` (unknown names raise), and the Trainer builds only those (`get_optimizer_cls_and_kwargs`, a
+    private table); an optimizer of one's own reaches the Trainer through its public `optimizers` /
+    `optimizer_cls_and_kwargs` arguments or a `create_optimizer` override, which is `L3GPTTrainer`'s. So "muon" is
+    taken out of `optim` before transformers validates it: `optim="muon"` becomes `use_muon=True` with `optim`
+    "adamw_torch", what runs MuonAdamW's AdamW groups (torch's AdamW), and `to_dict()` records both. Give
+    `PretrainConfig(use_muon=True)` to `L3GPTTrainer` (or build the optimizer with `create_muon_optimizer`): a plain
+    `Trainer` reads `optim` only. Any other `optim` is the Trainer's own optimizer, with weight decay on >= 2-D
+    weights only (`L3GPTTrainer.get_decay_parameter_names`).
 
     Added fields: `max_length` (packed row length, as TRL spells it; also the model's `max_position_embeddings`),
-    `warmdown_ratio`, `final_lr_frac`, `attend_across_documents`, `fp8`, `overwrite_output_dir` (absent from
-    transformers 5), and the Muon group LRs `matrix_lr`, `embedding_lr`, `unembedding_lr`, `scalar_lr`,
-    `l3_table_lr`, `value_embedding_lr`, `smear_lr`.
+    `use_muon` and the Muon group LRs, `warmdown_ratio`, `final_lr_frac`, `attend_across_documents`, `fp8`,
+    `overwrite_output_dir` (absent from transformers 5), and nanochat's compute-optimal dial
+    `target_param_data_ratio`, `target_flops`, `total_batch_size`, and the CORE metric's `core_metric_every`
+    (-1: off; nanochat's default is 2000, but its bundle is a download), `core_metric_max_per_task` (500) and
+    `core_bundle_dir` (`hfl3.evaluate.CoreMetricCallback`).
+
+    The dial (`hfl3.trainers.compute_optimal`, nanochat base_train's rules): the steps come from `max_steps` if given,
+    else from `target_flops`, else from `target_param_data_ratio` (None: 12) tokens per scaling parameter;
+    `total_batch_size` (tokens per optimizer step; -1 = auto, B ∝ D^0.383 around 2^19 at d12) sets
+    `gradient_accumulation_steps`, and then every group's LR is scaled by √(B/2^19) and `weight_decay` (λ_ref) by
+    √(B/2^19)·D_ref/D. A recipe computes the plan with `compute_optimal_plan` once the model's vocabulary is known and
+    calls `apply_compute_optimal_plan` before building the Trainer. With `max_steps` given and no `total_batch_size`
+    the run is sized by hand, as before: nothing is rescaled. `num_train_epochs` is not used by a streamed run: the
+    stream repeats and `max_steps` (given or planned) ends it; `warmup_steps` below 1 and `warmdown_ratio` are
+    fractions of that `max_steps`.
 
     Defaults that differ from `TrainingArguments`: `optim="adamw_torch"`, `lr_scheduler_type="warmup_stable_decay"`
     (nanochat: warmup → constant → linear warmdown over the last `warmdown_ratio` of the steps to `final_lr_frac` ×
@@ -51,12 +75,16 @@ class PretrainConfig(TrainingArguments):
     """
 
     _argument_group_name = ("training (PretrainConfig: transformers.TrainingArguments; hfl3's fields last: "
-                            "max_length, warmdown_ratio, fp8, the Muon group LRs matrix_lr ...)")
+                            "the Muon group LRs matrix_lr ..., max_length, use_muon, warmdown_ratio, fp8, the "
+                            "compute-optimal dial target_param_data_ratio, target_flops, total_batch_size)")
 
     max_length: int = field(default=512, metadata={"help": "packed row length in tokens (and the model's "
                                                          "max_position_embeddings)"})
-    optim: str = field(default="adamw_torch", metadata={"help": "muon (hfl3 MuonAdamW, group LRs *_lr) or one of "
-                                                        "transformers' OptimizerNames"})
+    optim: str = field(default="adamw_torch", metadata={"help": "one of transformers' OptimizerNames, or muon: "
+                                                        "--use_muon true"})
+    use_muon: bool = field(default=False, metadata={"help": "train with hfl3's MuonAdamW (Muon for the hidden "
+                                                    "matrices, AdamW for the rest; group LRs *_lr) instead of the "
+                                                    "Trainer's optimizer"})
     warmdown_ratio: float = field(default=0.2, metadata={"help": "share of steps in the final linear warmdown"})
     final_lr_frac: float = field(default=0.0, metadata={"help": "LR at the end of the warmdown, as a fraction"})
     attend_across_documents: bool = field(
@@ -67,22 +95,31 @@ class PretrainConfig(TrainingArguments):
     fp8: str | None = field(default=None, metadata={"help": "tensorwise or rowwise: hfl3.fp8 Float8Linear"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "replace a non-empty output_dir's files "
                                                                 "when this run finishes"})
-    matrix_lr: float | None = field(default=None, metadata={"help": "--optim muon: LR of the Muon matrices "
-                                                            "(default 0.02)"})
-    embedding_lr: float | None = field(default=None, metadata={"help": "--optim muon: token embedding LR (default "
-                                                               "0.3, scaled by (hidden_size/768)^-0.5)"})
-    unembedding_lr: float | None = field(default=None, metadata={"help": "--optim muon: lm_head LR (default 0.004, "
-                                                                 "scaled)"})
-    scalar_lr: float | None = field(default=None, metadata={"help": "--optim muon: LR of scalars (default 0.5)"})
-    l3_table_lr: float | None = field(default=None, metadata={"help": "--optim muon: L3 table LR (default: "
-                                                              "embedding_lr, scaled)"})
-    value_embedding_lr: float | None = field(default=None, metadata={"help": "--optim muon: value-embedding LR "
-                                                                     "(default: embedding_lr / 2, scaled)"})
-    smear_lr: float | None = field(default=None, metadata={"help": "--optim muon: smear gate / backout LR (default "
-                                                           "0.2)"})
+    target_param_data_ratio: float | None = field(
+        default=None, metadata={"help": "training tokens per scaling parameter (matrices + lm_head) when neither "
+                                "max_steps nor target_flops is given (None: nanochat's 12); also the horizon D of the "
+                                "auto batch and the weight decay"})
+    target_flops: float | None = field(default=None, metadata={"help": "training FLOPs budget: steps = target_flops / "
+                                                               "(FLOPs per token x total batch), unless max_steps"})
+    total_batch_size: int | None = field(
+        default=None, metadata={"help": "tokens per optimizer step, -1 = nanochat's auto rule; sets "
+                                "gradient_accumulation_steps and scales LRs and weight decay (None: -1 unless "
+                                "max_steps is given, then per-device batch x max_length x world x accumulation)"})
+    batch_lr_scale: float = field(default=1.0, init=False, metadata={
+        "help": "√(total_batch_size / 2^19), set by apply_compute_optimal_plan; multiplies every group's LR"})
+    # The CORE metric during training (nanochat base_train.py --core-metric-every / --core-metric-max-per-task;
+    # hfl3.evaluate): off by default, since its bundle is a download
+    core_metric_every: int = field(default=-1, metadata={"help": "CORE metric every N optimizer steps and at the end "
+                                                         "of training (-1: off)"})
+    core_metric_max_per_task: int = field(default=500, metadata={"help": "CORE items per task (nanochat's seeded "
+                                                                 "subsample; -1: all)"})
+    core_bundle_dir: str | None = field(default=None, metadata={"help": "nanochat's eval_bundle folder (core.yaml, "
+                                                                "eval_data/, eval_meta_data.csv); default: downloaded "
+                                                                "once into the Hugging Face cache"})
     lr_scheduler_type: str = field(default="warmup_stable_decay", metadata={"help": "see TrainingArguments"})
-    learning_rate: float = field(default=3e-3, metadata={"help": "peak LR (--optim muon: not used, see *_lr)"})
-    weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay on >=2-D weights"})
+    learning_rate: float = field(default=3e-3, metadata={"help": "peak LR (--use_muon: not used, see *_lr)"})
+    weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay on >=2-D weights (λ_ref, "
+                                                        "rescaled when the compute-optimal dial sizes the run)"})
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
     eval_strategy: str = field(default="steps", metadata={"help": "see TrainingArguments"})
     logging_steps: float = field(default=10, metadata={"help": "see TrainingArguments"})
@@ -95,28 +132,57 @@ class PretrainConfig(TrainingArguments):
 
     def __post_init__(self):
         check_training_arguments(self)  # issue 15: refuse a zero/negative learning rate or max_steps 0
+        check_core_arguments(self)
         if self.fp8 not in (None, "tensorwise", "rowwise"):
             raise ValueError(f"fp8={self.fp8!r}; expected tensorwise, rowwise or unset")
         if not 0 <= self.warmdown_ratio <= 1:
             raise ValueError(f"warmdown_ratio={self.warmdown_ratio} must be in [0, 1]")
+        for name in ("target_param_data_ratio", "target_flops"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive (leave it out to use the next rule: "
+                                 "max_steps > target_flops > target_param_data_ratio)")
+        if self.total_batch_size is not None and not (self.total_batch_size == -1 or self.total_batch_size > 0):
+            raise ValueError(f"total_batch_size={self.total_batch_size}: expected tokens per optimizer step, or -1 "
+                             "for nanochat's auto rule")
         if self.fp8 and not self.torch_compile:
             logger.warning(
                 "fp8=%s without torch_compile: the per-tensor scaling runs as separate eager kernels and the step is "
                 "slower than bf16 (0.65x bf16 on an H100 at d12 and d20, dev/LOG.md 2026-11-23); add "
                 "--torch_compile true", self.fp8)
-        muon = self.optim == MUON
-        if muon:
-            self.optim = "adamw_torch"
+        if self.optim == MUON:
+            self.use_muon, self.optim = True, "adamw_torch"
+        elif self.use_muon and self.optim != "adamw_torch":
+            raise ValueError(f"use_muon=True with optim={self.optim}: MuonAdamW replaces the Trainer's optimizer (its "
+                             "AdamW groups run torch's AdamW, optim adamw_torch); drop --optim or --use_muon")
         super().__post_init__()
-        if muon:
-            self.optim = MUON
+        if self.total_batch_size is not None and self.total_batch_size > 0:  # the auto batch is checked when planned
+            derive_gradient_accumulation_steps(self.total_batch_size, self.per_device_train_batch_size,
+                                               self.max_length, self.world_size)
 
-    def muon_learning_rates(self) -> dict[str, float]:
-        """The group LRs given (`matrix_lr=...` etc.), for `hfl3.optim.create_muon_optimizer`."""
-        names = ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "l3_table_lr", "value_embedding_lr",
-                 "smear_lr")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+    def apply_compute_optimal_plan(self, plan) -> None:
+        """Size this run by `plan` (a `hfl3.trainers.compute_optimal.ComputeOptimalPlan` computed from these
+        arguments): `max_steps`, `gradient_accumulation_steps`, `weight_decay` (λ, replacing λ_ref) and
+        `batch_lr_scale` (which `L3GPTTrainer.create_optimizer` applies). Call it once, before the Trainer is built
+        (the Trainer's accelerator reads the accumulation); a DeepSpeed config given with `--deepspeed` has its
+        "auto" values filled again, as the Trainer does after a hyperparameter search.
 
+        Raises:
+            RuntimeError: when a plan was already applied (a second one would rescale λ again).
+        """
+        if getattr(self, "_compute_optimal_plan", None) is not None:
+            raise RuntimeError("apply_compute_optimal_plan: a plan is already applied to these arguments")
+        self._compute_optimal_plan = plan
+        self.max_steps = plan.max_steps
+        self.gradient_accumulation_steps = plan.gradient_accumulation_steps
+        self.weight_decay = plan.weight_decay
+        self.batch_lr_scale = plan.lr_scale
+        if getattr(self, "hf_deepspeed_config", None) is not None:
+            from accelerate.utils import DeepSpeedPlugin
+            from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+            self.hf_deepspeed_config = HfTrainerDeepSpeedConfig(self.deepspeed)
+            self.hf_deepspeed_config.trainer_config_process(self)
+            self.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=self.hf_deepspeed_config)
 
 class PackedCollator:
     """Stacks packed rows (`input_ids` lists or arrays of equal length) into `input_ids`, `labels` (= input_ids; the
@@ -196,12 +262,17 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # ThroughputCallback writes tok_per_sec and mfu into the logs in its on_log; the Trainer puts the reporting
+        # integrations (W&B, TensorBoard, ...) before the callbacks passed in, and they would report without them
+        handler = self.callback_handler
+        first = [callback for callback in handler.callbacks if isinstance(callback, ThroughputCallback)]
+        handler.callbacks = first + [callback for callback in handler.callbacks if callback not in first]
         self._pending_input_tokens = 0
         self.data_progress: StreamProgress | None = None
         if isinstance(self.train_dataset, PackedStream) and not self.args.ignore_data_skip:
             raise ValueError("a streamed train_dataset resumes from the state saved in the checkpoint: set "
                              "ignore_data_skip=True (PretrainConfig's default); skipping batches would re-read it")
-        if self.args.optim == MUON:
+        if getattr(self.args, "use_muon", False):
             from hfl3.optim import refuse_unsupported_sharding
 
             # Here, not only in create_optimizer: a DeepSpeed config with its own optimizer section skips that.
@@ -266,13 +337,19 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
         super().create_optimizer_and_scheduler(num_training_steps)
 
     def create_optimizer(self, model=None):
-        """`--optim muon`: `hfl3.optim.create_muon_optimizer` with the config's group LRs; otherwise the Trainer's own
-        optimizer (`--optim`), weight decay on >= 2-D weights only."""
-        if self.optimizer is not None or self.args.optim != MUON:
+        """`use_muon`: `hfl3.optim.create_muon_optimizer` with the config's group LRs; otherwise the Trainer's own
+        optimizer (`--optim`), weight decay on >= 2-D weights only. Every group's LR is multiplied by
+        `args.batch_lr_scale` (the compute-optimal dial's √(B/2^19); Muon: but the smear group's, as nanochat)."""
+        if self.optimizer is not None:
             return super().create_optimizer(model)
+        if not getattr(self.args, "use_muon", False):
+            super().create_optimizer(model)
+            for group in self.optimizer.param_groups:  # before create_scheduler records the groups' initial_lr
+                group["lr"] *= self.args.batch_lr_scale
+            return self.optimizer
         from hfl3.optim import create_muon_optimizer
 
-        self.optimizer = create_muon_optimizer(model or self.model, self.args, **self.args.muon_learning_rates(),
+        self.optimizer = create_muon_optimizer(model or self.model, self.args, batch_lr_scale=self.args.batch_lr_scale,
                                                num_training_steps=getattr(self, "_num_training_steps", None))
         return self.optimizer
 
@@ -310,6 +387,13 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
             self.state.num_input_tokens_seen += pending
             self._pending_input_tokens = 0
         return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """`Trainer.log` without its `train_tokens_per_second`: a training log's throughput is `ThroughputCallback`'s
+        `tok_per_sec` alone (why: its docstring). `train_runtime`, the seconds since `train()` began, stays."""
+        if start_time is not None:
+            logs.update(speed_metrics("train", start_time))
+        super().log(logs)
 
     def evaluate(self, *args, **kwargs):
         with fp8.float8_disabled(self.model):

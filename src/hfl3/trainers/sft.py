@@ -15,7 +15,7 @@ from trl import SFTConfig, SFTTrainer
 import hfl3  # noqa: F401  (registers L3GPT with the Auto classes)
 from hfl3.provenance import stamp_folder
 from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
-from hfl3.trainers.outputs import SFTOutputs, sft_model_card
+from hfl3.trainers.outputs import SFTOutputs, sft_model_card, usage_name
 from hfl3.trainers.supervised_nll import LOGIT_SCALE_FIELDS, add_supervised_nll
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class SFTLoRAConfig(SFTConfig):
     def without_evaluation(self) -> None:
         """Turn evaluation off (no evaluation data): no eval_strategy, best-model loading or step-0 evaluation."""
         self.eval_strategy, self.do_eval = IntervalStrategy.NO, False
-        self.load_best_model_at_end = self.eval_on_start = False
+        self.load_best_model_at_end = self.eval_on_start = self.evaluate_by_default = False
 
 
 class HFL3SFTTrainer(NonFiniteGuard, SFTOutputs, SFTTrainer):  # NonFiniteGuard first: it checks before a save
@@ -221,5 +221,5 @@ def save_merged_model(trainer: HFL3SFTTrainer, folder: str | os.PathLike, metada
     merged.save_pretrained(folder)
     trainer.processing_class.save_pretrained(folder)
     merged_metadata = {**metadata, "merged": True}
-    stamp_folder(folder, merged_metadata, sft_model_card(merged_metadata, str(folder), folder, adapter=False))
+    stamp_folder(folder, merged_metadata, sft_model_card(merged_metadata, usage_name(trainer, folder), adapter=False))
     return folder

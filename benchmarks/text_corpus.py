@@ -1,9 +1,7 @@
-"""Small corpora in memory, for experiments that need the whole packed set at once (benchmarks/): every document in
-a `datasets.Dataset`, pieces, tokenization with `datasets.map` and best-fit packing (split by document with
-`hfl3.data.sft.split_indices`, the split of the SFT recipe).
-
-The recipe streams instead (`hfl3.data.streaming`); both use the same readers (`hfl3.data.sources`), the same cutting
-into pieces and the same packer (`hfl3.data.packing`).
+"""Small corpora in memory for the benchmarks that need the whole packed set at once (`l3_vs_dense.py`,
+`muon_vs_adamw.py`, `trainer_overhead.py`): every document in a `datasets.Dataset`, pieces, tokenization with
+`datasets.map` and best-fit packing. Not part of hfl3: the recipe streams (`hfl3.data.streaming`); both use the same
+readers (`hfl3.data.sources`), the same cutting into pieces and the same packer (`hfl3.data.packing`).
 """
 
 import datasets

@@ -1,0 +1,201 @@
+"""The paths and names a user types into a recipe, checked before any heavy work: a bad one is reported in one line
+that names the argument, the value and what was expected.
+
+How a value is read:
+- a value that exists on disk is local: a file or a folder, which must hold what the argument needs (a model folder
+  its `config.json`, a tokenizer folder its `tokenizer.json` or `tokenizer_config.json`);
+- a value that does not exist is a Hub id only when huggingface_hub accepts it as one (`name` or `namespace/name`,
+  `validate_repo_id`). `/nope`, `./model`, `~/model` or `a/b/c` are local paths that do not exist and are reported
+  as such, never sent to the Hub (transformers would answer "Repo id must use alphanumeric chars" for them);
+- a Hub id is looked up in the local Hugging Face cache when offline (`HF_HUB_OFFLINE=1`), else on the Hub with a
+  `HUB_TIMEOUT_S` timeout and no retry: a mistyped name fails in about a second instead of after the loaders'
+  retries (transformers 5.23 waits ~50 s before it reports an unreachable Hub).
+
+The recipes run their `check_inputs` from the parser (`RecipeParser`), so that `hfl3.trainers.launch.
+parse_recipe_args` reports the `ValueError` as an argument error: the usage line, `PROG: error: <message>`, exit
+status 2, no traceback. A new argument that takes a path calls `check_file`, `check_folder` or `check_pretrained`
+from its recipe's `check_inputs`.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import huggingface_hub
+from huggingface_hub import constants
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.utils import validate_repo_id
+from trl import TrlParser
+
+from hfl3.data.sources import LOCAL_SUFFIXES
+
+logger = logging.getLogger(__name__)
+
+HUB_TIMEOUT_S = 10.0
+"""Seconds one Hub lookup may take before the Hub counts as unreachable."""
+MODEL = "a model folder (config.json and weights, as save_pretrained writes them) or a Hub model id"
+TOKENIZER = "a tokenizer folder (tokenizer.json or tokenizer_config.json, as save_pretrained writes them) or a Hub id"
+CORPUS = ("stdlib, a text/.jsonl/.json/.parquet file, a folder or glob of them, or a datasets name (Hub id or "
+          "folder)")
+MODEL_FILES = ("config.json",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+class RecipeParser(TrlParser):
+    """`TrlParser` that runs `check(*parsed)` on the dataclasses it parsed (in the parser's order), inside
+    `parse_args_and_config`: what `check` raises is an argument error for `parse_recipe_args`."""
+
+    def __init__(self, dataclass_types: Sequence[type], check: Callable[..., None]):
+        super().__init__(dataclass_types)
+        self.check = check
+
+    def parse_args_and_config(self, args: Iterable[str] | None = None, **kwargs) -> tuple:
+        parsed = super().parse_args_and_config(args, **kwargs)
+        self.check(*parsed[: len(self.dataclass_types)])
+        return parsed
+
+
+def is_hub_id(value: str) -> bool:
+    """Whether `value` is a valid Hub repository id (`name` or `namespace/name`, huggingface_hub's rules)."""
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _error(argument: str, value, problem: str, expected: str) -> ValueError:
+    return ValueError(f"--{argument} {value}: {problem}; expected {expected}")
+
+
+def check_file(argument: str, value: str, expected: str, suffixes: Sequence[str] = ()) -> Path:
+    """`value` must be an existing file (with one of `suffixes`, when given). Returns it as a `Path`.
+
+    Raises:
+        ValueError: `--ARGUMENT VALUE: no such file; expected EXPECTED` (or `is a folder`, `not a .X file`).
+    """
+    path = Path(value)
+    if path.is_dir():
+        raise _error(argument, value, "is a folder", expected)
+    if not path.is_file():
+        raise _error(argument, value, "no such file", expected)
+    if suffixes and path.suffix not in suffixes:
+        raise _error(argument, value, f"not a {' or '.join(suffixes)} file", expected)
+    return path
+
+
+def check_folder(argument: str, value: str, expected: str, contains: Sequence[str] = ()) -> Path:
+    """`value` must be an existing folder that holds at least one of `contains` (when given). Returns it as a `Path`.
+
+    Raises:
+        ValueError: `--ARGUMENT VALUE: no such folder; expected EXPECTED` (or `is a file`, `the folder holds no X`).
+    """
+    path = Path(value)
+    if path.is_file():
+        raise _error(argument, value, "is a file", expected)
+    if not path.is_dir():
+        raise _error(argument, value, "no such folder", expected)
+    if contains and not any((path / name).exists() for name in contains):
+        raise _error(argument, value, f"the folder holds no {' or '.join(contains)}", expected)
+    return path
+
+
+def check_pretrained(argument: str, value: str, expected: str, files: Sequence[str], revision: str | None = None
+                     ) -> None:
+    """`value` is an existing local folder holding one of `files`, or a Hub model id (`check_hub_repo`).
+
+    Raises:
+        ValueError: one line naming the argument, the value and `expected`.
+    """
+    if Path(value).exists() or not is_hub_id(value):
+        check_folder(argument, value, expected, files)
+    else:
+        check_hub_repo(argument, value, expected, files, revision)
+
+
+def in_cache(repo_id: str, files: Sequence[str] = (), revision: str | None = None, repo_type: str = "model") -> bool:
+    """Whether the local Hugging Face cache holds one of `files` of the Hub repository (any file when `files` is
+    empty); a dataset also counts when `datasets` has prepared it in its own cache."""
+    if files:
+        return any(isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name, revision=revision,
+                                                                     repo_type=repo_type), str) for name in files)
+    folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type=repo_type)
+    if any((folder / "snapshots").glob("*/*")):
+        return True
+    if repo_type == "dataset":
+        import datasets
+
+        return (Path(datasets.config.HF_DATASETS_CACHE) / repo_id.replace("/", "___")).is_dir()
+    return False
+
+
+def check_hub_repo(argument: str, repo_id: str, expected: str, files: Sequence[str] = (), revision: str | None = None,
+                   repo_type: str = "model") -> None:
+    """The Hub repository `repo_id` (a model or a dataset) exists: offline, `in_cache`; online, its `*_info` answers
+    within `HUB_TIMEOUT_S`. A gated repository counts as existing (its loader explains how to get access); when the
+    Hub answers with another HTTP error, or cannot be reached but the cache holds the repository, a warning is
+    logged and the loader decides.
+
+    Raises:
+        ValueError: not in the cache (offline); no such repository or revision on the Hub; the Hub unreachable and
+            nothing cached.
+    """
+    kind = "dataset" if repo_type == "dataset" else "model"
+    if constants.is_offline_mode():
+        if not in_cache(repo_id, files, revision, repo_type):
+            raise _error(argument, repo_id, f"no such file or folder, and HF_HUB_OFFLINE=1 with no copy of the Hub "
+                                            f"{kind} {repo_id} in the local cache", expected)
+        return
+    api = huggingface_hub.HfApi()
+    info = api.dataset_info if repo_type == "dataset" else api.model_info
+    try:
+        info(repo_id, revision=revision, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        return
+    except RevisionNotFoundError:
+        raise _error(argument, repo_id, f"the Hub {kind} has no revision {revision!r}", expected) from None
+    except RepositoryNotFoundError:
+        raise _error(argument, repo_id, f"no such file or folder, and no {kind} {repo_id} on the Hub (a private "
+                                        "one needs `hf auth login`)", expected) from None
+    except HfHubHTTPError as error:
+        logger.warning("--%s %s: the Hub answered %s; the loader will retry", argument, repo_id, error)
+    except Exception as error:  # huggingface_hub raises its HTTP client's own errors for a refused or slow connection
+        if not in_cache(repo_id, files, revision, repo_type):
+            raise _error(argument, repo_id, f"no such file or folder, and the Hub could not be reached within "
+                                            f"{HUB_TIMEOUT_S:g} s to look it up ({type(error).__name__}; with "
+                                            "HF_HUB_OFFLINE=1 only the local cache is searched)", expected) from None
+        logger.warning("--%s %s: the Hub could not be reached (%s); the cached copy is used (HF_HUB_OFFLINE=1 skips "
+                       "the network)", argument, repo_id, type(error).__name__)
+
+
+def check_corpus(argument: str, spec: str) -> None:
+    """Each comma-separated entry of a pretraining `--dataset` spec (`hfl3.data.sources.open_corpus`) exists:
+    `stdlib`, an existing file or folder, a glob matching a file, or a Hub dataset (`check_hub_repo`). What the
+    files hold is checked when the corpus is opened.
+
+    Raises:
+        ValueError: naming the entry (and the spec when it has several): no such file or folder, a glob matching
+            nothing, or no such Hub dataset.
+    """
+    entries = [part.strip() for part in spec.split(",") if part.strip()]
+    for entry in entries:
+        value = entry if len(entries) == 1 else f"{spec} (entry {entry})"
+        if entry == "stdlib" or Path(entry).expanduser().exists():
+            continue
+        if glob.has_magic(entry):
+            if not any(Path(p).is_file() for p in glob.iglob(str(Path(entry).expanduser()), recursive=True)):
+                raise _error(argument, value, "the pattern matches no file", CORPUS)
+        elif is_hub_id(entry) and not entry.endswith(LOCAL_SUFFIXES):
+            check_hub_repo(argument, entry, CORPUS, repo_type="dataset")
+        else:
+            raise _error(argument, value, "no such file or folder", CORPUS)
