@@ -16,16 +16,16 @@ def spawn_gloo_ranks(function, world_size: int, store_path, *args) -> None:
     """Run `function(rank, *args)` in `world_size` spawned processes joined in one gloo process group (file store at
     `store_path`, 1 thread each, as torchrun sets), and raise the first rank's exception if any.
 
-    A rank that returns waits at a barrier for all the others, destroys the process group and ends with
-    `os._exit(0)` instead of finalizing the interpreter. Once DTensor or functional collectives ran (FSDP2, the
-    sharded Muon step), torch 2.13 keeps the gloo backend referenced past `destroy_process_group`, so its worker
-    threads (`pt_gloo_runloop`, `gloo_tcp_loop`) are still alive while the interpreter finalizes; one that takes the
-    GIL then (to release a Python object it holds, or run a Python callback, after finishing the last collective a
-    moment late on a busy machine) is ended by `pthread_exit`, whose forced unwind through a noexcept C++ frame
-    calls `std::terminate`: "terminate called without an active exception", the rank dies of SIGABRT (a gdb
-    backtrace of that exit and the thread lists are in dev/LOG.md, 2026-11-24). The multiprocessing module ends
-    the children it forks with `os._exit` for the same reason. A rank that raises exits as `mp.spawn` makes it, after
-    writing its traceback, which the parent raises.
+    A rank that returns waits at a barrier for all the others (no rank leaves while a collective it takes part in is
+    in flight), destroys the process group and ends with `os._exit(0)`, without finalizing the interpreter. Once a
+    DTensor or a DeviceMesh was used (FSDP2, the sharded Muon step), torch 2.13 keeps the gloo process group
+    referenced past `destroy_process_group`: its threads (`pt_gloo_runloop`, `gloo_tcp_loop`) are still running while
+    the interpreter finalizes (after a plain all-reduce they are joined). A gloo thread that takes the GIL then, to
+    drop a Python object when it finishes a collective a moment after the rank's main thread moved on, is ended by
+    Python 3.11 with `pthread_exit`, whose forced unwind through a noexcept frame calls `std::terminate`: "terminate
+    called without an active exception", the rank dies of SIGABRT (the gdb backtrace and the repetitions are in
+    dev/LOG.md, 2026-11-24). A rank that raises exits as `mp.spawn` makes it, after writing its traceback, which the
+    parent raises.
     """
     mp.spawn(_run_rank, args=(world_size, str(store_path), function, args), nprocs=world_size, join=True)
 
@@ -53,9 +53,11 @@ def gradient_tolerance(gradient: torch.Tensor, positions: int, hidden_size: int)
     u·Σ|partial sums| ≤ (n-1)·u·S of the exact sum (Higham, Accuracy and Stability of Numerical Algorithms,
     2nd ed., §4.2, eq. 4.3; u = eps/2 = 2**-24, S the largest partial sum), so two orders are within (n-1)·eps·S of
     each other. S is taken as the tensor's largest gradient element: the terms of these tensors do not cancel to much
-    less than that (measured on tests/test_muon_ddp.py's model: differences ≤ 6·eps·S for the matrices and
-    ≤ 341·eps·S for backout_lambda, at least 34× inside the bound). A tensor whose gradient is pure round-off (the
-    backout scalar of a depth-2 L3GPT, which the final RMSNorm cancels) has no such bound: the tests use depth 3.
+    less than that (measured on tests/test_muon_ddp.py's model, 3 steps, on a 2-core AMD EPYC: differences
+    ≤ 6.4·eps·S for the matrices, 30× inside their bound of 192·eps·S; 35·eps·S for the resid/x0 lambdas and
+    1,980·eps·S for backout_lambda, whose gradient cancels most, 12× inside their bound of 24,576·eps·S). A tensor
+    whose gradient is pure round-off (the backout scalar of a depth-2 L3GPT, which the final RMSNorm cancels) has no
+    such bound: the tests use depth 3.
 
     Args:
         gradient (`torch.Tensor`): the reference gradient of one parameter.

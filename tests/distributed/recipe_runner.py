@@ -128,6 +128,12 @@ def run(plan_path: str) -> None:
             path.with_suffix(".tmp").write_text(json.dumps(record, indent=1, default=str))
             path.with_suffix(".tmp").replace(path)
         print(f"[recipe_runner] rank {rank} finished {entry['name']}: error={record['error']}", flush=True)
+    if dist.is_initialized():
+        # Every rank past its last collective, then the gloo threads joined before the interpreter finalizes: a
+        # gloo thread still finishing a collective then would be ended by Python with pthread_exit, and the forced
+        # unwind through a noexcept frame aborts the rank (equivalence.spawn_gloo_ranks)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
