@@ -54,7 +54,7 @@ def param_groups_by_kind(
     betas (0.8, 0.995), weight decay 0.01); here every AdamW group gets the same betas (`create_muon_optimizer`: the
     TrainingArguments') and no weight decay. A parameter's shape is its `ds_shape` when DeepSpeed ZeRO-3 has already
     partitioned it (`zero.Init`: the tensor itself is then empty and 1-D; grouping by that shape would send every
-    matrix to AdamW, DeepSpeed's own Muon bug #8438).
+    matrix to AdamW, DeepSpeed's own Muon bug, deepspeedai/DeepSpeed#8438).
 
     Args:
         model: any `nn.Module`; `get_output_embeddings()` / `get_input_embeddings()` are used when the
@@ -74,23 +74,42 @@ def param_groups_by_kind(
         TypeError: for a key of `changes` that is no LR field.
     """
     rates = GroupLearningRates.of(learning_rates, **changes)
-    output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if hidden_size is None:
-        hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
-        if hidden_size is None and isinstance(input_embeddings, nn.Embedding):
-            hidden_size = input_embeddings.embedding_dim
+    group_of = _group_of_each_parameter(model)
+    group_lrs = rates.learning_rates(_hidden_size(model) if hidden_size is None else hidden_size, batch_lr_scale)
+    by_name: dict[str, list[nn.Parameter]] = {name: [] for name in group_lrs}
+    for param in model.parameters():  # each shared parameter once, in model order
+        if id(param) in group_of:
+            by_name[group_of[id(param)]].append(param)
+    return [
+        {"params": params, "kind": "muon" if name == "matrix" else "adamw", "name": name, "lr": group_lrs[name]}
+        for name, params in by_name.items()
+        if params
+    ]
 
+
+def _hidden_size(model: nn.Module) -> int | None:
+    """`model.config.hidden_size`, else the input embedding's width, else None."""
+    hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+    input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if hidden_size is None and isinstance(input_embeddings, nn.Embedding):
+        hidden_size = input_embeddings.embedding_dim
+    return hidden_size
+
+
+def _group_of_each_parameter(model: nn.Module) -> dict[int, str]:
+    """The group name of every trainable parameter of `model`, keyed by `id(param)`: the heads and L3GPT's special
+    modules first (they hold `nn.Embedding`s and scalars that are not plain embeddings or scalars), then the rest by
+    module type and shape. Raises `ValueError` as `param_groups_by_kind` says."""
     placed: dict[int, str] = {}
 
     def place(param: nn.Parameter | None, name: str) -> None:
         if isinstance(param, nn.Parameter) and param.requires_grad and id(param) not in placed:
             placed[id(param)] = name
 
-    if output_embeddings is not None:
-        place(output_embeddings.weight, "unembedding")
-    if input_embeddings is not None:
-        place(input_embeddings.weight, "embedding")
+    for accessor, name in (("get_output_embeddings", "unembedding"), ("get_input_embeddings", "embedding")):
+        head = getattr(model, accessor, lambda: None)()  # first the output: a tied weight gets the unembedding LR
+        if head is not None:
+            place(head.weight, name)
     for module in model.modules():
         place(getattr(module, "resid_lambdas", None), "residual_scalar")
         place(getattr(module, "backout_lambda", None), "smear")
@@ -120,16 +139,7 @@ def param_groups_by_kind(
                     f"{type(module).__name__} is neither an nn.Linear/nn.Embedding weight nor 0-/1-D; MuonAdamW "
                     "has no rule for it. Freeze it, or build the param groups yourself (kind='adamw')."
                 )
-    group_lrs = rates.learning_rates(hidden_size, batch_lr_scale)
-    by_name: dict[str, list[nn.Parameter]] = {name: [] for name in group_lrs}
-    for param in model.parameters():  # each shared parameter once, in model order
-        if id(param) in placed:
-            by_name[placed[id(param)]].append(param)
-    return [
-        {"params": params, "kind": "muon" if name == "matrix" else "adamw", "name": name, "lr": group_lrs[name]}
-        for name, params in by_name.items()
-        if params
-    ]
+    return placed
 
 
 def create_muon_optimizer(
