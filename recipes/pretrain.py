@@ -13,12 +13,16 @@
         --config recipes/configs/fineweb_d12.yaml
     # its plan only (parameters, FLOPs, steps, batch, LRs, weight decay), offline, no data read
     python recipes/pretrain.py --config recipes/configs/fineweb_d12.yaml --dry_run
+    # + nanochat's CORE metric every 2000 steps and at the end (its eval bundle: --core_bundle_dir, or downloaded once)
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/pretrain.py \
+        --config recipes/configs/fineweb_d12.yaml --core_metric_every 2000 --core_metric_max_per_task 500
 
 The training data is a stream (`hfl3.data.streaming`): documents are read, tokenized and packed on the fly in each
 process's DataLoader workers (`--dataloader_num_workers`), memory flat in corpus size, and a checkpoint resumes it
 exactly. Outputs in `--output_dir`: model.safetensors + config.json + remote code, tokenizer, metadata.json (source
 files with sha256, split, the sha256 of the consumed token rows), README.md (model card), all_results.json
-(eval_bpb, train_loss and throughput over the whole run), loss.png. The folder is committed whole at the end
+(eval_bpb, train_loss and throughput over the whole run; with `--core_metric_every N`, the CORE metric of the
+final model, also in metadata.json and in the card's model-index), loss.png. The folder is committed whole at the end
 (`hfl3.trainers.outputs`): a non-empty `--output_dir` is refused unless the run resumes from it
 (`--resume_from_checkpoint latest`, which also uses the checkpoint's tokenizer and L3 allocation) or
 `--overwrite_output_dir` is given; checkpoints appear only when complete.
@@ -45,6 +49,7 @@ from hfl3.callbacks import LossPlotCallback, SampleCallback, ThroughputCallback
 from hfl3.data import sources
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
+from hfl3.evaluate import CoreMetricCallback, check_core_bundle, core_bundle_for_training
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
 from hfl3.trainers.compute_optimal import REFERENCE_DEPTH, ComputeOptimalPlan, compute_optimal_plan
@@ -142,6 +147,7 @@ def check_inputs(script_args: ScriptArguments, model_args: ModelArguments, train
         check_corpus("dataset", script_args.dataset)
         if script_args.eval_dataset:
             check_corpus("eval_dataset", script_args.eval_dataset)
+        check_core_bundle(training_args)
     if script_args.tokenizer_name_or_path:
         check_pretrained("tokenizer_name_or_path", script_args.tokenizer_name_or_path, TOKENIZER, TOKENIZER_FILES)
 
@@ -255,6 +261,7 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
                     len(load_tokenizer(tokenizer_source)) if tokenizer_source else script_args.vocab_size)
     if script_args.dry_run:
         return plan.as_dict()
+    core_bundle = core_bundle_for_training(training_args)  # --core_metric_every: read (or downloaded) before the data
     data = prepare_data(script_args, training_args, training_args.max_length)
     tokenizer = data.train.tokenizer
     config = model_args.config(len(tokenizer), training_args.max_length, bos_token_id=tokenizer.bos_token_id,
@@ -291,11 +298,16 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
         logger.info("ZeRO-3: no samples at evaluation (SampleCallback generates on the main process only)")
     else:
         trainer.add_callback(SampleCallback(tokenizer, script_args.sample_prompts))
+    core = CoreMetricCallback(trainer, core_bundle, training_args.core_metric_every) if core_bundle else None
+    if core:
+        trainer.add_callback(core)
     # The step-0 evaluation runs inside train(): evaluate() before train() would leave the model without DDP (no
     # gradient all-reduce: accelerate marks it prepared for evaluation) and breaks DeepSpeed ZeRO
     training_args.eval_on_start = not training_args.resume_from_checkpoint
     train_metrics = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint).metrics
     metrics = {**train_metrics, **trainer.evaluate()}  # train_loss and throughput over the whole run
+    if core:  # evaluated at the end of training
+        metrics.update(core.latest.metrics())
     metrics["initial_eval_bpb"] = next((e["eval_bpb"] for e in trainer.state.log_history
                                         if e["step"] == 0 and "eval_bpb" in e), None)
     consumed = trainer.stream_summary()  # every rank: gathers what each one trained on
@@ -305,6 +317,7 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
         data=data_metadata(script_args, data, consumed),
         model=config.to_dict(), script_args=asdict(script_args), model_args=asdict(model_args),
         training_args=training_args.to_dict(), compute_optimal=plan.as_dict(), results=metrics,
+        evaluation={"core": core.latest.summary()} if core else {},
     )
     with trainer.finish_output():  # staged, committed whole: weights, tokenizer, metadata.json, card, results
         trainer.save_metrics("all", metrics)

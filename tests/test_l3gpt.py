@@ -375,21 +375,21 @@ def test_remote_code_loads_without_hfl3(tmp_path, run_without_hfl3):
 
 
 @pytest.mark.slow
-def test_torch_compile_does_not_recompile_for_new_pair_counts():
-    # The pair count P = sum of the routed tokens' table sizes changes with every batch; the routing and the lookup
-    # run outside the compiled graphs (torch.compiler.disable), so after one recompile for the dynamic dimension
-    # new batches reuse the graphs. Before, every new P compiled a new graph (~9 s each on this CPU).
+def test_torch_compile_compiles_the_training_forward_once_as_one_graph():
+    # The pair count P = sum of the routed tokens' table sizes changes with every batch; no tensor of size P
+    # crosses the graph (the lookup and its backward are custom ops that expand the pairs inside), so inductor
+    # compiles the training forward once, whole, and new batches reuse it. Before the routing ran outside the
+    # graphs, and before that every new P compiled a new graph (~9 s each on this CPU).
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     model = skewed_model(tiny_config())
-    compiled = torch.compile(model)
+    compiled, graphs = torch.compile(model, fullgraph=True), counters["stats"]["unique_graphs"]
     torch.manual_seed(1)
     batches = [torch.randint(0, VOCAB, (2, 16)) for _ in range(5)]
     assert len({int(model.model.l3_counts()[ids].sum()) for ids in batches}) == 5
     for ids in batches[:2]:
         compiled(input_ids=ids, labels=ids).loss.backward()
-    graphs = counters["stats"]["unique_graphs"]
     for ids in batches[2:]:
         model.zero_grad()
         loss = compiled(input_ids=ids, labels=ids).loss
@@ -401,7 +401,7 @@ def test_torch_compile_does_not_recompile_for_new_pair_counts():
         torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
         for name, p in model.named_parameters():
             torch.testing.assert_close(compiled_grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # one whole graph, compiled once for all pair counts
 
 
 def test_output_hidden_states_and_attentions_come_back():

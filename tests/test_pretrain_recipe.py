@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -28,6 +29,7 @@ def recipe_run(tmp_path_factory, repo_root):
         str(repo_root / "recipes" / "pretrain.py"), "--config", str(repo_root / "recipes" / "configs" /
                                                                      "pretrain_tiny.yaml"),
         "--output_dir", str(output_dir),
+        "--core_metric_every", "15", "--core_bundle_dir", str(repo_root / "tests" / "fixtures" / "core_bundle"),
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=repo_root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -51,6 +53,14 @@ def test_recipe_writes_a_complete_folder_and_learns(recipe_run):
     with safe_open(output_dir / "model.safetensors", "pt") as f:
         assert json.loads(f.metadata()["hfl3.data"])["train_tokens_sha256"] == digest
     assert digest in (output_dir / "README.md").read_text()
+    # CORE at steps 15 and 30 (hfl3.evaluate); the final one in all_results.json, metadata.json and the model-index
+    assert log.count("CORE mc_animals (0-shot") == 2
+    core = metadata["evaluation"]["core"]
+    assert results["core_metric"] == core["core_metric"] == metadata["results"]["core_metric"]
+    assert set(core["results"]) == {"mc_animals", "mc_animals_fewshot", "schema_animals", "lm_animals"}
+    card = ModelCard.load(output_dir / "README.md")
+    index = {(result.dataset_type, result.metric_type): result.metric_value for result in card.data.eval_results}
+    assert index[("core", "core_metric")] == round(core["core_metric"], 4)
     assert "world size 1" in log and "reloaded from" in log
     plan = metadata["compute_optimal"]  # the start-up table's numbers; pretrain_tiny.yaml sizes its run by hand
     assert "compute-optimal plan" in log and (plan["max_steps"], plan["total_batch_size"]) == (30, 8 * 64)

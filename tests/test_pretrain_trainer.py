@@ -13,8 +13,8 @@ from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
 
 SEQ_LEN, BATCH = 64, 4
-# Tensor → Python conversions: each one waits for the device to finish all queued work.
-SYNCING_CALLS = {"item", "__bool__", "__int__", "__float__", "__index__", "tolist", "numpy"}
+# Tensor → Python conversions and copies to the host: each one waits for the device to finish all queued work.
+SYNCING_CALLS = {"item", "__bool__", "__int__", "__float__", "__index__", "tolist", "numpy", "cpu"}
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def train(rows, tmp_path, l3_after_layers, optimizer, max_steps=7, logging_steps
 @pytest.mark.parametrize(
     "l3_after_layers, optimizer, attend_across_documents, syncs_per_step",
     [([], "adamw_torch", True, 0), ([], "muon", True, 0),
-     # L3's routing reads its pair count once per forward (`l3_routing`, by design)
+     # L3's routing copies its pair count to the host once per forward (`l3_routing`, by design)
      ([0], "muon", True, 1),
      # block-causal rows: transformers' mask helpers check once per mask type (full, sliding) whether position_ids
      # mark packed documents (`find_packed_sequence_indices`; skipped under torch.compile)

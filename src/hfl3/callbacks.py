@@ -174,6 +174,12 @@ class ThroughputCallback(TrainerCallback):
         if self._mark is not None:
             self._mark = (time.perf_counter(), *self._mark[1:])
 
+    def exclude_time(self, seconds: float) -> None:
+        """Leave `seconds` of work that is not training out of the current window (another callback's evaluation
+        between two training logs, e.g. `hfl3.evaluate.CoreMetricCallback`)."""
+        if self._mark is not None:
+            self._mark = (self._mark[0] + seconds, *self._mark[1:])
+
     def on_evaluate(self, args, state, control, **kwargs):
         self._restart_window()
 

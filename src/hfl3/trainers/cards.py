@@ -1,7 +1,7 @@
 """What the model cards of hfl3's outputs say: `write_model_card` arguments (`hfl3.provenance.card`) for a pretrained
 L3GPT (`l3gpt_model_card`) and for a LoRA adapter or its merged model (`sft_model_card`). Each returns the title, the
-usage text and the `ModelCardData` fields; one more field here (e.g. `eval_results` with `model_name`) goes into the
-card's front matter."""
+usage text and the `ModelCardData` fields (`eval_results` with `model_name` for a `model-index`); one more field here
+goes into the card's front matter."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hfl3.evaluate.core import core_eval_results
 from hfl3.provenance import portable
 
 
@@ -24,19 +25,26 @@ def usage_name(trainer, folder: str | os.PathLike | None = None) -> str:
 
 def l3gpt_model_card(metadata: Mapping[str, Any], name: str) -> dict:
     """`write_model_card` arguments for a pretrained L3GPT loaded as `name`: the data source, the validation bits per
-    byte at the end and at step 0 (`metadata["results"]`), the snippet that loads it."""
+    byte at the end and at step 0 (`metadata["results"]`), the CORE metric when it was evaluated
+    (`metadata["evaluation"]["core"]`: in the text, and as `eval_results` for the card's `model-index`), the snippet
+    that loads it."""
     results = metadata.get("results") or {}
     bpb = results.get("eval_bpb")
     start = results.get("initial_eval_bpb")
+    core = (metadata.get("evaluation") or {}).get("core")
     text = (f"L3GPT pretrained with hfl3 on `{portable(str(metadata.get('data', {}).get('source')))}`"
             + (f": validation bpb {bpb:.4f}" if bpb is not None else "")
-            + (f" (from {start:.4f} at step 0)" if start is not None else "") + ".\n\n"
+            + (f" (from {start:.4f} at step 0)" if start is not None else "")
+            + (f"; CORE {core['core_metric']:.4f} over {len(core['results'])} tasks" if core else "") + ".\n\n"
             f"```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
             f"model = AutoModelForCausalLM.from_pretrained({name!r}, trust_remote_code=True)  "
             f"# or `import hfl3` first\n"
             "# AutoTokenizer reads config.json, whose auto_map names remote code: say so, or it asks [y/N]\n"
             f"tokenizer = AutoTokenizer.from_pretrained({name!r}, trust_remote_code=True)\n```")
-    return {"title": "L3GPT (hfl3)", "extra_markdown": text, "tags": ("hfl3", "l3gpt")}
+    card = {"title": "L3GPT (hfl3)", "extra_markdown": text, "tags": ("hfl3", "l3gpt")}
+    if core:  # the model-index of the Hub's evaluation results
+        card.update(eval_results=core_eval_results(core), model_name=Path(name).name)
+    return card
 
 
 def sft_model_card(metadata: Mapping[str, Any], name: str, adapter: bool) -> dict:

@@ -18,6 +18,7 @@ from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DATA_STATE_KEY, PackedStream, StreamBatch, StreamProgress, stream_dataloader
 from hfl3.optim.settings import GroupLearningRates
 from hfl3.trainers.compute_optimal import derive_gradient_accumulation_steps
+from hfl3.evaluate.callback import check_core_arguments
 from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
 from hfl3.trainers.outputs import L3GPTOutputs
 
@@ -49,7 +50,9 @@ class PretrainConfig(GroupLearningRates, TrainingArguments):
     Added fields: `max_length` (packed row length, as TRL spells it; also the model's `max_position_embeddings`),
     `use_muon` and the Muon group LRs, `warmdown_ratio`, `final_lr_frac`, `attend_across_documents`, `fp8`,
     `overwrite_output_dir` (absent from transformers 5), and nanochat's compute-optimal dial
-    `target_param_data_ratio`, `target_flops`, `total_batch_size`.
+    `target_param_data_ratio`, `target_flops`, `total_batch_size`, and the CORE metric's `core_metric_every`
+    (-1: off; nanochat's default is 2000, but its bundle is a download), `core_metric_max_per_task` (500) and
+    `core_bundle_dir` (`hfl3.evaluate.CoreMetricCallback`).
 
     The dial (`hfl3.trainers.compute_optimal`, nanochat base_train's rules): the steps come from `max_steps` if given,
     else from `target_flops`, else from `target_param_data_ratio` (None: 12) tokens per scaling parameter;
@@ -104,6 +107,15 @@ class PretrainConfig(GroupLearningRates, TrainingArguments):
                                 "max_steps is given, then per-device batch x max_length x world x accumulation)"})
     batch_lr_scale: float = field(default=1.0, init=False, metadata={
         "help": "√(total_batch_size / 2^19), set by apply_compute_optimal_plan; multiplies every group's LR"})
+    # The CORE metric during training (nanochat base_train.py --core-metric-every / --core-metric-max-per-task;
+    # hfl3.evaluate): off by default, since its bundle is a download
+    core_metric_every: int = field(default=-1, metadata={"help": "CORE metric every N optimizer steps and at the end "
+                                                         "of training (-1: off)"})
+    core_metric_max_per_task: int = field(default=500, metadata={"help": "CORE items per task (nanochat's seeded "
+                                                                 "subsample; -1: all)"})
+    core_bundle_dir: str | None = field(default=None, metadata={"help": "nanochat's eval_bundle folder (core.yaml, "
+                                                                "eval_data/, eval_meta_data.csv); default: downloaded "
+                                                                "once into the Hugging Face cache"})
     lr_scheduler_type: str = field(default="warmup_stable_decay", metadata={"help": "see TrainingArguments"})
     learning_rate: float = field(default=3e-3, metadata={"help": "peak LR (--use_muon: not used, see *_lr)"})
     weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay on >=2-D weights (λ_ref, "
@@ -120,6 +132,7 @@ class PretrainConfig(GroupLearningRates, TrainingArguments):
 
     def __post_init__(self):
         check_training_arguments(self)  # a zero/negative learning rate or max_steps 0 trains nothing
+        check_core_arguments(self)
         if self.fp8 not in (None, "tensorwise", "rowwise"):
             raise ValueError(f"fp8={self.fp8!r}; expected tensorwise, rowwise or unset")
         if not 0 <= self.warmdown_ratio <= 1:

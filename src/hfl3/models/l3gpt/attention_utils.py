@@ -10,17 +10,23 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from .configuration_l3gpt import L3GPTConfig
 
 
 class L3GPTRotaryEmbedding(nn.Module):
-    """Rotary position embedding (RoFormer, arXiv 2104.09864) with transformers' `rope_parameters`."""
+    """Rotary position embedding (RoFormer, arXiv 2104.09864) with transformers' `rope_parameters`: every
+    `rope_type` of `transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS` (linear, dynamic NTK, YaRN, LongRoPE, Llama
+    3, proportional) besides the default, with `dynamic_rope_update` recomputing the frequencies of the dynamic types
+    (dynamic NTK beyond the cached length, LongRoPE's long factors beyond `original_max_position_embeddings`), as
+    transformers' Llama and Qwen3 do."""
 
     def __init__(self, config: L3GPTConfig):
         super().__init__()
         self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
         self.rope_type = config.rope_parameters.get("rope_type", "default")
         inv_freq, self.attention_scaling = self.rope_init_fn(config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
@@ -40,8 +46,10 @@ class L3GPTRotaryEmbedding(nn.Module):
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
     @torch.no_grad()
+    @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape `(batch_size, seq_len, head_dim)` for `position_ids` of shape `(batch_size, seq_len)`."""
+        """cos and sin of shape `(batch_size, seq_len, head_dim)` for `position_ids` of shape `(batch_size, seq_len)`,
+        scaled by the RoPE type's attention factor (1 except YaRN and LongRoPE)."""
         freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)  # (B, T, head_dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)

@@ -4,6 +4,7 @@ import copy
 import math
 
 from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 WINDOW_LETTERS = {"S": "sliding_attention", "L": "full_attention"}
 
@@ -30,7 +31,10 @@ class L3GPTConfig(PreTrainedConfig):
         head_dim (`int`, *optional*): width of one head; `None` means `hidden_size // num_attention_heads`.
         max_position_embeddings (`int`, defaults to 2048): longest sequence (tokens) the model is trained for.
         rope_parameters (`dict`, *optional*): rotary embedding parameters in transformers' format;
-            default `{"rope_type": "default", "rope_theta": 10000.0}` (nanochat's base).
+            default `{"rope_type": "default", "rope_theta": 10000.0}` (nanochat's base). Every `rope_type` of
+            transformers' `ROPE_INIT_FUNCTIONS` applies (`"linear"`, `"dynamic"`, `"yarn"`, `"longrope"`, `"llama3"`,
+            `"proportional"`), with the keys transformers requires for it; one dict for all layers, whole heads
+            rotated (no `partial_rotary_factor`).
         rms_norm_eps (`float`, defaults to 1e-6): epsilon of the parameter-free RMSNorms.
         qk_norm_scale (`float`, defaults to 1.2): factor applied to queries and keys after their RMSNorm (nanochat).
         window_pattern (`str`, defaults to `"L"`): sliding-window pattern tiled over the layers, one letter per layer:
@@ -44,7 +48,7 @@ class L3GPTConfig(PreTrainedConfig):
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities.
         initializer_range (`float`, defaults to 0.001): std of the output head's normal init (nanochat).
         tie_word_embeddings (`bool`, defaults to `False`): nanochat unties input and output embeddings.
-        use_cache (`bool`, defaults to `True`): return a `DynamicCache` during generation.
+        use_cache (`bool`, defaults to `True`): return a cache (a `DynamicCache` unless one is passed) outside training.
 
     nanochat master fields (karpathy/nanochat 92d63d4; each measured in its dev/LOG.md; on by default as there, off
     when a `config.json` written before them is loaded, see [`L3GPTConfig.from_dict`]):
@@ -67,8 +71,8 @@ class L3GPTConfig(PreTrainedConfig):
             `position_ids` is 0 (sequence start, left padding, each packed document's first token), so packed
             documents stay independent as with hfl3's block-causal attention; nanochat, which packs without
             position ids, smears across document boundaries. The result is also the x0 of `x0_lambdas`. Cached
-            decoding keeps the previous token's embedding in the `DynamicCache` (one extra layer, `hidden_size` values
-            per token).
+            decoding keeps the previous token's embedding in the cache (a convolution state after the attention
+            layers, `hidden_size` values per sequence; dynamic and static caches alike).
         smear_gate_channels (`int`, defaults to 24): s above.
         use_backout (`bool`, defaults to `True`): "backout" (nanochat a825e63): before the final norm subtract
             `backout_lambda` (learned scalar, init 0.2) times the residual stream after layer
@@ -152,7 +156,8 @@ class L3GPTConfig(PreTrainedConfig):
         if self.sliding_window is None:
             self.sliding_window = math.ceil(self.max_position_embeddings / 4 / 128) * 128
         self.validate_l3gpt()
-        super().__post_init__(**kwargs)
+        super().__post_init__(**kwargs)  # standardizes rope_parameters (and reads a legacy `rope_scaling`)
+        self.validate_rope_parameters()
 
     def validate_l3gpt(self):
         """Raise `ValueError` naming the field of an inconsistent configuration."""
@@ -192,6 +197,33 @@ class L3GPTConfig(PreTrainedConfig):
                 )
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1")
+
+    def validate_rope_parameters(self):
+        """Refuse RoPE settings the rotary embedding cannot apply: an unknown `rope_type` (transformers only warns),
+        parameters per layer type, a `partial_rotary_factor` (nanochat rotates whole heads), and what transformers'
+        own `validate_rope` refuses (e.g. `"dynamic"` without `"factor"`); `ValueError` naming `rope_parameters`."""
+        parameters = self.rope_parameters
+        if self.nested_rope_parameter_keys(parameters):
+            raise ValueError(
+                f"rope_parameters={parameters} gives parameters per layer type; L3GPT applies one rotary embedding to "
+                "every layer: give one dict, e.g. {'rope_type': 'default', 'rope_theta': 10000.0}"
+            )
+        rope_type = parameters.get("rope_type", "default")
+        if rope_type not in ("default", *ROPE_INIT_FUNCTIONS):
+            raise ValueError(
+                f"rope_parameters['rope_type']={rope_type!r} is not a RoPE type of transformers; use one of "
+                f"{['default', *ROPE_INIT_FUNCTIONS]}"
+            )
+        if rope_type != "proportional" and parameters.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                f"rope_parameters['partial_rotary_factor']={parameters['partial_rotary_factor']}: L3GPT rotates whole "
+                "heads (as nanochat); remove it or use rope_type 'proportional'"
+            )
+        try:
+            self.validate_rope()
+        except (KeyError, ValueError) as error:
+            message = error.args[0] if error.args else error
+            raise ValueError(f"rope_parameters={parameters}: {message}") from None
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "L3GPTConfig":

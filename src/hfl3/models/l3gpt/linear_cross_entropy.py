@@ -1,18 +1,22 @@
 """Linear + logit softcap + cross-entropy without materialising the `(rows, vocab)` float32 logits.
 
 `linear_cross_entropy` runs Liger-Kernel's fused kernel (`liger_fused_linear_cross_entropy`, softcap included) on
-CUDA when `liger_kernel` is importable, and `ChunkedLinearCrossEntropy` elsewhere: rows in chunks, each chunk's
+CUDA when `liger_kernel` is importable, and `chunked_linear_cross_entropy` elsewhere: rows in chunks, each chunk's
 logits computed, turned into the gradients wrt the hidden states and the weight, and freed, so the extra memory is
 one chunk's `(chunk_size, vocab)` float32 plus the weight gradient — Liger's scheme (gradients computed in the
-forward pass), in PyTorch. `causal_lm_loss` is transformers' `ForCausalLMLoss` on top of it.
+forward pass), in PyTorch. The chunked function is a `torch.library` custom op (its backward scales the gradients it
+computed), so `torch.compile` keeps a training forward with the loss in one graph. `causal_lm_loss` is transformers'
+`ForCausalLMLoss` on top of it.
 
 Self-contained (ships with the L3GPT remote code): optional packages (liger_kernel, deepspeed) are imported through
-`importlib` when present.
+`importlib` when present. The op's namespace is named after this module, so two copies of the folder in one process
+(hfl3's and Hub remote code) do not collide.
 """
 
 import contextlib
 import importlib
 import importlib.util
+import re
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +24,9 @@ import torch.nn.functional as F
 CHUNK_BYTES = 32 * 2**20
 """Default budget for one chunk's float32 logits: `chunk_size = CHUNK_BYTES // (4 * vocab_size)` rows (256 rows at
 vocab 32768, 55 at Qwen3's 151,936)."""
+
+NAMESPACE = "_".join(["l3gpt", *re.findall(r"[A-Za-z0-9]+", __name__)])
+LIGER_INSTALLED = importlib.util.find_spec("liger_kernel") is not None
 
 
 def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -29,68 +36,83 @@ def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
-class ChunkedLinearCrossEntropy(torch.autograd.Function):
+@torch.library.custom_op(f"{NAMESPACE}::chunked_linear_cross_entropy", mutates_args=())
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None, ignore_index: int,
+    chunk_size: int, dtype: torch.dtype, needs_grads: list[bool], return_predictions: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`sum_i CE(softcap(hidden_i @ weightᵀ), targets_i)` over the rows whose target is not `ignore_index`.
 
-    Forward: per chunk of rows, logits `(chunk, vocab)` in the compute dtype, then float32; softcap
-    `c·tanh(z/c)`; log-sum-exp; and, when gradients are needed, `softmax − onehot` times the softcap's derivative
-    `1 − tanh²`, multiplied into the gradients wrt `hidden` (stored in its dtype) and `weight` (accumulated in
-    float32). Backward scales them by the incoming gradient. Inputs as for `linear_cross_entropy`.
+    Per chunk of rows: logits `(chunk, vocab)` in `dtype` (the compute dtype), then float32; softcap `c·tanh(z/c)`;
+    log-sum-exp; and, for the inputs `needs_grads` names, `softmax − onehot` times the softcap's derivative
+    `1 − tanh²`, multiplied into the gradients wrt `hidden` (in its dtype) and `weight` (accumulated in float32).
+
+    Returns:
+        `(nll_sum, grad_hidden, grad_weight, predictions)`: float32 scalar, the gradients of `nll_sum` (empty where
+        not needed), the `(rows,)` argmax tokens after the softcap (empty unless `return_predictions`).
     """
+    needs_hidden_grad, needs_weight_grad = needs_grads
+    rows = hidden.shape[0]
+    valid = targets != ignore_index  # (N,)
+    safe_targets = targets.masked_fill(~valid, 0)  # (N,)
+    nll_sum = torch.zeros((), device=hidden.device, dtype=torch.float32)
+    grad_hidden = torch.empty_like(hidden) if needs_hidden_grad else hidden.new_empty(0)
+    grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) if needs_weight_grad else weight.new_empty(0)
+    predictions = targets.new_empty(rows if return_predictions else 0)
+    with torch.autocast(hidden.device.type, enabled=False):
+        weight_c = weight.to(dtype)
+        for start in range(0, rows, chunk_size):
+            end = min(start + chunk_size, rows)
+            hidden_c = hidden[start:end].to(dtype)  # (c, C)
+            target_c, valid_c = safe_targets[start:end, None], valid[start:end, None]
+            logits = (hidden_c @ weight_c.t()).float()  # (c, V)
+            tanh = None
+            if softcap is not None:
+                tanh = logits.div_(softcap).tanh_()
+                logits = tanh * softcap
+            if return_predictions:
+                predictions[start:end] = logits.argmax(dim=-1)
+            log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # (c, 1)
+            nll = log_norm - logits.gather(1, target_c)  # (c, 1)
+            nll_sum += torch.where(valid_c, nll, 0.0).sum()
+            if not (needs_hidden_grad or needs_weight_grad):
+                continue
+            grad_logits = logits.sub_(log_norm).exp_()  # softmax, in place: (c, V)
+            grad_logits.scatter_add_(1, target_c, torch.full_like(nll, -1.0)).mul_(valid_c)
+            if tanh is not None:
+                grad_logits.mul_(tanh.square_().neg_().add_(1.0))
+            if needs_hidden_grad:
+                grad_hidden[start:end] = grad_logits.to(dtype) @ weight_c
+            if needs_weight_grad:
+                grad_weight.addmm_(grad_logits.t(), hidden_c.float())
+    return nll_sum, grad_hidden, grad_weight, predictions
 
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, softcap, ignore_index, chunk_size, needs_grads, return_predictions):
-        needs_hidden_grad, needs_weight_grad = needs_grads
-        dtype = compute_dtype(hidden, weight)
-        rows = hidden.shape[0]
-        valid = targets != ignore_index  # (N,)
-        safe_targets = targets.masked_fill(~valid, 0)  # (N,)
-        nll_sum = torch.zeros((), device=hidden.device, dtype=torch.float32)
-        grad_hidden = torch.empty_like(hidden) if needs_hidden_grad else None
-        grad_weight = None
-        if needs_weight_grad:
-            grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
-        predictions = torch.empty(rows, device=hidden.device, dtype=torch.long) if return_predictions else None
-        with torch.autocast(hidden.device.type, enabled=False):
-            weight_c = weight.to(dtype)
-            for start in range(0, rows, chunk_size):
-                end = min(start + chunk_size, rows)
-                hidden_c = hidden[start:end].to(dtype)  # (c, C)
-                target_c, valid_c = safe_targets[start:end, None], valid[start:end, None]
-                logits = (hidden_c @ weight_c.t()).float()  # (c, V)
-                tanh = None
-                if softcap is not None:
-                    tanh = logits.div_(softcap).tanh_()
-                    logits = tanh * softcap
-                if return_predictions:
-                    predictions[start:end] = logits.argmax(dim=-1)
-                log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # (c, 1)
-                nll = log_norm - logits.gather(1, target_c)  # (c, 1)
-                nll_sum += torch.where(valid_c, nll, 0.0).sum()
-                if not (needs_hidden_grad or needs_weight_grad):
-                    continue
-                grad_logits = logits.sub_(log_norm).exp_()  # softmax, in place: (c, V)
-                grad_logits.scatter_add_(1, target_c, torch.full_like(nll, -1.0)).mul_(valid_c)
-                if tanh is not None:
-                    grad_logits.mul_(tanh.square_().neg_().add_(1.0))
-                if needs_hidden_grad:
-                    grad_hidden[start:end] = grad_logits.to(dtype) @ weight_c
-                if needs_weight_grad:
-                    grad_weight.addmm_(grad_logits.t(), hidden_c.float())
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
-        if predictions is not None:
-            ctx.mark_non_differentiable(predictions)
-        return nll_sum, predictions
 
-    @staticmethod
-    def backward(ctx, grad_nll_sum, grad_predictions):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_nll_sum.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * grad_nll_sum).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+@chunked_linear_cross_entropy.register_fake
+def _(hidden, weight, targets, softcap, ignore_index, chunk_size, dtype, needs_grads, return_predictions):
+    return (
+        hidden.new_empty((), dtype=torch.float32),
+        torch.empty_like(hidden) if needs_grads[0] else hidden.new_empty(0),
+        weight.new_empty(weight.shape, dtype=torch.float32) if needs_grads[1] else weight.new_empty(0),
+        targets.new_empty(hidden.shape[0] if return_predictions else 0),
+    )
+
+
+def _setup_chunked_context(ctx, inputs, output):
+    _, grad_hidden, grad_weight, predictions = output
+    ctx.save_for_backward(grad_hidden, grad_weight)
+    ctx.weight_dtype = inputs[1].dtype
+    ctx.mark_non_differentiable(grad_hidden, grad_weight, predictions)
+
+
+def _chunked_backward(ctx, grad_nll_sum, *unused):
+    grad_hidden, grad_weight = ctx.saved_tensors
+    hidden_grad = grad_hidden * grad_nll_sum.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
+    weight_grad = (grad_weight * grad_nll_sum).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+    return hidden_grad, weight_grad, None, None, None, None, None, None, None
+
+
+chunked_linear_cross_entropy.register_autograd(_chunked_backward, setup_context=_setup_chunked_context)
 
 
 def register_zero3_owner(owner: torch.nn.Module, weight: torch.Tensor) -> None:
@@ -118,11 +140,10 @@ def gathered_weight(weight: torch.Tensor):
 
 def liger_applies(hidden: torch.Tensor) -> bool:
     """Whether `linear_cross_entropy`'s `backend="auto"` picks Liger's kernel: a CUDA tensor and `liger_kernel`
-    importable."""
-    return hidden.device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+    installed."""
+    return hidden.device.type == "cuda" and LIGER_INSTALLED
 
 
-@torch.compiler.disable
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -139,41 +160,57 @@ def linear_cross_entropy(
         hidden (`torch.Tensor` of shape `(rows, hidden_size)`): final hidden states.
         weight (`torch.Tensor` of shape `(vocab_size, hidden_size)`): the output embedding (lm_head) weight; a
             ZeRO-3 partitioned one is gathered for the call if ZeRO has not (`gathered_weight`; see
-            `register_zero3_owner`).
+            `register_zero3_owner`), outside `torch.compile` graphs.
         targets (`torch.LongTensor` of shape `(rows,)`): next-token ids.
         softcap (`float`, *optional*): logits become `softcap * tanh(logits / softcap)` in float32 (Gemma 2,
             nanochat); None for none.
         chunk_size (`int`, *optional*): rows per chunk of the PyTorch function; default
             `CHUNK_BYTES // (4 * vocab_size)`.
         return_predictions: also return each row's argmax token (after the softcap).
-        backend: `"chunked"` (`ChunkedLinearCrossEntropy`), `"liger"` (Liger's `liger_fused_linear_cross_entropy`
-            with `reduction="sum"` and its `softcap`; CUDA) or `"auto"`: Liger when `liger_applies(hidden)` and no
-            predictions are asked for, else chunked.
+        backend: `"chunked"` (`chunked_linear_cross_entropy`, a custom op that `torch.compile` keeps in the graph),
+            `"liger"` (Liger's `liger_fused_linear_cross_entropy` with `reduction="sum"` and its `softcap`; CUDA;
+            traced by `torch.compile` as Liger's own autograd function) or `"auto"`: Liger when
+            `liger_applies(hidden)` and no predictions are asked for, else chunked.
 
     Returns:
         `(nll_sum, predictions)`: float32 scalar (nats; differentiable wrt `hidden` and `weight`) and `(rows,)` token
         ids, or None without `return_predictions`.
-
-    Runs outside `torch.compile` graphs (a graph break at the loss): the chunk loop would be unrolled into the graph.
     """
     if backend == "auto":
         backend = "liger" if liger_applies(hidden) and not return_predictions else "chunked"
-    with gathered_weight(weight):
-        if backend == "liger":
-            functional = importlib.import_module("liger_kernel.transformers.functional")
-            dtype = compute_dtype(hidden, weight)
-            result = functional.liger_fused_linear_cross_entropy(
-                hidden.to(dtype), weight.to(dtype), targets, ignore_index=ignore_index, reduction="sum",
-                softcap=softcap,
-            )
-            return getattr(result, "loss", result).float(), None  # newer Liger may return a CrossEntropyOutput
-        if chunk_size is None:
-            chunk_size = max(1, CHUNK_BYTES // (4 * weight.shape[0]))
-        grad_on = torch.is_grad_enabled()
-        needs_grads = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
-        return ChunkedLinearCrossEntropy.apply(
-            hidden, weight, targets, softcap, ignore_index, chunk_size, needs_grads, return_predictions
+    arguments = (hidden, weight, targets, softcap, ignore_index, chunk_size, return_predictions, backend)
+    if getattr(weight, "ds_id", None) is not None:
+        return zero3_linear_cross_entropy(*arguments)
+    return whole_weight_cross_entropy(*arguments)
+
+
+def whole_weight_cross_entropy(hidden, weight, targets, softcap, ignore_index, chunk_size, return_predictions,
+                               backend):
+    """`linear_cross_entropy` once the backend is chosen and `weight` is whole."""
+    if backend == "liger":
+        functional = importlib.import_module("liger_kernel.transformers.functional")
+        dtype = compute_dtype(hidden, weight)
+        result = functional.liger_fused_linear_cross_entropy(
+            hidden.to(dtype), weight.to(dtype), targets, ignore_index=ignore_index, reduction="sum", softcap=softcap,
         )
+        return getattr(result, "loss", result).float(), None  # newer Liger may return a CrossEntropyOutput
+    if chunk_size is None:
+        chunk_size = max(1, CHUNK_BYTES // (4 * weight.shape[0]))
+    grad_on = torch.is_grad_enabled()
+    needs_grads = [grad_on and hidden.requires_grad, grad_on and weight.requires_grad]
+    nll_sum, _, _, predictions = chunked_linear_cross_entropy(
+        hidden, weight, targets, softcap, ignore_index, chunk_size, compute_dtype(hidden, weight), needs_grads,
+        return_predictions,
+    )
+    return nll_sum, predictions if return_predictions else None
+
+
+@torch.compiler.disable
+def zero3_linear_cross_entropy(*arguments):
+    """`linear_cross_entropy` of a DeepSpeed ZeRO-3 partitioned weight, whole for the call (`gathered_weight`);
+    outside `torch.compile` graphs, which cannot trace DeepSpeed's gather."""
+    with gathered_weight(arguments[1]):
+        return whole_weight_cross_entropy(*arguments)
 
 
 def causal_lm_loss(

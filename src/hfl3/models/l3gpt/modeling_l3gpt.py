@@ -2,58 +2,35 @@
 ("L³: Large Lookup Layers", Tseng & De Sa, arXiv 2601.21461).
 
 Self-contained (relative imports only) so that the folder can be shipped as Hub remote code. File order follows
-transformers' modeling files: norm → attention → MLP → value embeddings and smear → LargeLookupLayer → decoder
-layer → PreTrainedModel → base model → causal LM; the rotary embeddings and the eager attention are in
-`attention_utils.py`.
+transformers' modeling files: attention → MLP → value embeddings and smear → decoder layer → PreTrainedModel → base
+model → causal LM. Beside it: the norm and nanochat's init tags in `layers.py`, the rotary embeddings and the eager
+attention in `attention_utils.py`, the L3 layer and its lookup ops in `lookup.py`, the loss in
+`linear_cross_entropy.py`.
 """
 
-import math
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionLayer
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
 from .allocation import bounds_from_counts, uniform_allocation
 from .attention_utils import L3GPTRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 from .configuration_l3gpt import L3GPTConfig
+from .layers import L3GPTRMSNorm, initialize, uniform_bound, with_init
 from .linear_cross_entropy import causal_lm_loss, register_zero3_owner
-from .offload import (
-    HostTable, L3Prefetch, fetched_tables, host_tables, load_offloaded, offload_tables, prefetch_routed_rows,
-)
-
-
-class L3GPTRMSNorm(nn.Module):
-    """Parameter-free RMSNorm over the last dimension (nanochat: `F.rms_norm(x, (x.size(-1),))`)."""
-
-    def __init__(self, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(hidden_states, (hidden_states.size(-1),), eps=self.eps)
-
-
-def with_init(module: nn.Module, scheme: str, scale: float = 0.0) -> nn.Module:
-    """Tag a Linear/Embedding with its init (`"uniform"` in ±scale, `"positive_uniform"` in [0, scale], `"normal"`
-    with std scale, `"zeros"`), applied by `_init_weights`. The tag lives on the parameter-owning module because
-    transformers v5 skips modules without direct parameters when initialising remote-code models."""
-    module.hfl3_init = (scheme, scale)
-    return module
-
-
-def uniform_bound(config: L3GPTConfig) -> float:
-    """nanochat's q/k/v init: uniform with std 1/√C, i.e. bound √3/√C (C = hidden_size)."""
-    return math.sqrt(3.0 / config.hidden_size)
+from .lookup import L3Routing, LargeLookupLayer, l3_routing
+from .offload import host_tables, load_offloaded, offload_tables, prefetch_routed_rows
 
 
 # nanochat 6ed7d1d: value-embedding gates are 3·sigmoid(·), in (0, 3), 1.5 at a zero gate input.
@@ -108,9 +85,9 @@ class L3GPTAttention(nn.Module):
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        attention_interface = eager_attention_forward
-        if self.config._attn_implementation != "eager":
-            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         attn_output, attn_weights = attention_interface(
             self,
             query,
@@ -155,11 +132,16 @@ class L3GPTValueEmbeddings(nn.ModuleDict):
 
 class L3GPTSmear(nn.Module):
     """nanochat's smear (a825e63): `x_t ← x_t + λ·σ(gate(x_t[:s]))·x_{t-1}` on the normed embeddings, skipped where
-    `position_ids` is 0 (see `L3GPTConfig.use_smear_gate`). During cached decoding the previous token's normed
-    embedding comes from the cache, which keeps one extra layer for it (index `num_hidden_layers`; keys
-    `(batch_size, 1, seen_tokens, hidden_size)`, zero-width values), so beam reordering, batch expansion and cropping
-    move it with the keys and values. `hfl3.optim.param_groups_by_kind` recognises this class (nanochat's smear
-    group)."""
+    `position_ids` is 0 (see `L3GPTConfig.use_smear_gate`). `hfl3.optim.param_groups_by_kind` recognises this class
+    (nanochat's smear group).
+
+    Cached decoding reads the previous token's normed embedding from one more cache layer after the attention layers
+    (index `num_hidden_layers`), which the cache moves with the keys and values (beam reordering, reset, cropping):
+    - in a compileable cache (`StaticCache`), a `LinearAttentionLayer`: the smear is a causal convolution of width 2
+      whose state `(batch_size, hidden_size, 1)` has a fixed shape, so the cache stays compileable (decoding masks
+      are built, `torch.compile` of the decoding step works);
+    - in a `DynamicCache`, a `DynamicLayer` with every token's embedding as keys `(batch_size, 1, seen, hidden_size)`
+      (zero-width values): croppable at any time, as assisted decoding needs for a draft model's cache."""
 
     def __init__(self, config: L3GPTConfig):
         super().__init__()
@@ -168,15 +150,33 @@ class L3GPTSmear(nn.Module):
         self.cache_layer_idx = config.num_hidden_layers
 
     def previous_embedding(self, embeds: torch.Tensor, past_key_values: Cache | None) -> torch.Tensor | None:
-        """Record `embeds` `(batch_size, seq_len, hidden_size)` in the cache; return the embedding of the token before
-        them `(batch_size, 1, hidden_size)`, or None when there is no cache or nothing before them."""
+        """Record `embeds` `(batch_size, seq_len, hidden_size)` in the cache's smear layer; return the embedding of the
+        token before them `(batch_size, 1, hidden_size)`, or None when there is no cache or nothing before them.
+
+        Raises:
+            ValueError: if the cache's layer `num_hidden_layers` is another kind (a cache built for another model).
+        """
         if past_key_values is None:
             return None
-        while len(past_key_values.layers) <= self.cache_layer_idx:
-            past_key_values.layers.append(DynamicLayer())
-        keys, _ = past_key_values.update(embeds[:, None], embeds[:, None, :, :0], self.cache_layer_idx)
-        seen = keys.shape[2] - embeds.shape[1]
-        return keys[:, 0, seen - 1 : seen] if seen > 0 else None
+        layers, index = past_key_values.layers, self.cache_layer_idx
+        if len(layers) < index and past_key_values.layer_class_to_replicate is not None:  # a lazily filled cache
+            layers.extend(past_key_values.layer_class_to_replicate() for _ in range(index - len(layers)))
+        if len(layers) == index:
+            layers.append(LinearAttentionLayer() if past_key_values.is_compileable else DynamicLayer())
+        layer = layers[index]
+        if type(layer) is DynamicLayer:
+            keys, _ = past_key_values.update(embeds[:, None], embeds[:, None, :, :0], index)  # (B, 1, seen, C)
+            seen = keys.shape[2] - embeds.shape[1]
+            return keys[:, 0, seen - 1 : seen] if seen > 0 else None
+        if not isinstance(layer, LinearAttentionLayer):
+            raise ValueError(
+                f"past_key_values layer {index} is a {type(layer).__name__}; L3GPT keeps the smear's previous token in "
+                f"the layer after its {index} attention layers: pass a cache built for this model "
+                "(DynamicCache(config=model.config), StaticCache(config=model.config, ...)) or none"
+            )
+        has_previous = layer.has_previous_state[0]
+        states = past_key_values.update_conv_state(embeds.transpose(1, 2), index, conv_kernel_size=1)  # (B, C, ·)
+        return states[:, :, -embeds.shape[1] - 1, None].transpose(1, 2) if has_previous else None
 
     def forward(self, embeds, position_ids, previous=None):
         """`embeds` `(batch_size, seq_len, hidden_size)` → same shape; `position_ids` `(batch_size or 1, seq_len)`."""
@@ -189,140 +189,6 @@ class L3GPTSmear(nn.Module):
 
 # Attention implementations that apply causality themselves when given no mask (`is_causal` / `causal=True`).
 CAUSAL_FLAG_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
-
-
-class L3Routing(NamedTuple):
-    """Static routing of N = batch·seq tokens to their L3 table rows, as P = Σ_t d_t (token, row) pairs.
-
-    token_of_pair: `(P,)` index into the flattened tokens; row_of_pair: `(P,)` row of the L3 tables;
-    pair_offsets: `(N,)` index of each token's first pair (pairs are grouped by token, in order).
-    prefetch: the routed rows of offloaded tables, being fetched to the compute device (`L3GPTModel.route_l3`).
-    """
-
-    token_of_pair: torch.LongTensor
-    row_of_pair: torch.LongTensor
-    pair_offsets: torch.LongTensor
-    prefetch: L3Prefetch | None = None
-
-
-@torch.compiler.disable
-def l3_routing(input_ids: torch.LongTensor, l3_bounds: torch.LongTensor) -> L3Routing:
-    """Pairs (token, row) for `input_ids` of any shape, token t owning rows `l3_bounds[t]:l3_bounds[t+1]`.
-
-    Costs one device→host sync (the pair count). Shared by all L3 layers of a forward pass. Runs outside
-    `torch.compile` graphs (`torch.compiler.disable`, as does `LargeLookupLayer.lookup`): the pair count changes with
-    every batch, and inside a graph each new count compiled a new graph.
-    """
-    ids = input_ids.reshape(-1)
-    starts = l3_bounds[ids]
-    sizes = l3_bounds[ids + 1] - starts  # (N,)
-    pair_offsets = torch.cumsum(sizes, 0) - sizes
-    total = int(sizes.sum())
-    token_of_pair = torch.repeat_interleave(torch.arange(ids.numel(), device=ids.device), sizes, output_size=total)
-    row_of_pair = torch.arange(total, device=ids.device) - pair_offsets[token_of_pair] + starts[token_of_pair]
-    return L3Routing(token_of_pair, row_of_pair, pair_offsets)
-
-
-class _PairScores(torch.autograd.Function):
-    """`scores[p] = <hidden[token_of_pair[p]], table[row_of_pair[p]]>` in at least float32, in chunks of pairs, so that
-    neither pass keeps a `(P, hidden_size)` tensor: backward re-gathers chunk by chunk (grad wrt hidden is an
-    `embedding_bag` weighted by the score gradients)."""
-
-    @staticmethod
-    def forward(ctx, hidden, table, token_of_pair, row_of_pair, pair_offsets, chunk_size):
-        dtype = torch.promote_types(torch.promote_types(hidden.dtype, table.dtype), torch.float32)
-        scores = torch.empty(token_of_pair.numel(), device=hidden.device, dtype=dtype)
-        for start in range(0, token_of_pair.numel(), chunk_size):
-            tokens = token_of_pair[start : start + chunk_size]
-            rows = row_of_pair[start : start + chunk_size]
-            scores[start : start + chunk_size] = (hidden[tokens].to(dtype) * table[rows].to(dtype)).sum(-1)
-        ctx.save_for_backward(hidden, table, token_of_pair, row_of_pair, pair_offsets)
-        ctx.chunk_size = chunk_size
-        return scores
-
-    @staticmethod
-    def backward(ctx, grad_scores):
-        hidden, table, token_of_pair, row_of_pair, pair_offsets = ctx.saved_tensors
-        grad_hidden = grad_table = None
-        if ctx.needs_input_grad[0]:
-            grad_hidden = F.embedding_bag(
-                row_of_pair, table, pair_offsets, mode="sum", per_sample_weights=grad_scores.to(table.dtype)
-            ).to(hidden.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_table = torch.zeros_like(table)
-            for start in range(0, token_of_pair.numel(), ctx.chunk_size):
-                tokens = token_of_pair[start : start + ctx.chunk_size]
-                weights = grad_scores[start : start + ctx.chunk_size, None].to(table.dtype)
-                grad_table.index_add_(0, row_of_pair[start : start + ctx.chunk_size], weights * hidden[tokens])
-        return grad_hidden, grad_table, None, None, None, None
-
-
-class LargeLookupLayer(GradientCheckpointingLayer):
-    """Large Lookup Layer (arXiv 2601.21461, §3.1), added to the residual stream after a decoder layer:
-
-        h ← h + W_mix [ Norm(W_up(V_tᵀ softmax(K_t x / √C))) ; x ],   x = Norm(h)  (h itself in W_mix's input when
-        `config.l3_mix_input == "residual"`)
-
-    where token t (static routing by id) owns the rows `bounds[t]:bounds[t+1]` of the key table K and value
-    table V (the same table when `l3_tie_kv`). Softmax runs over the token's own rows only.
-
-    Score scale: keys are N(0, 1) and scores are divided by √C (C = hidden_size) so that, with x RMS-normed,
-    scores start with unit variance as in dot-product attention. nanochat's PR #559 used no scaling (scores of
-    std √C: a near one-hot softmax whose gradient reaches one row per token); scaling the init by C^-½ as well
-    makes the softmax near-uniform. Unit-variance logits keep both the choice and the gradient spread.
-
-    `W_mix` (`mix_proj`) is zero-initialised, so a fresh layer is an exact no-op.
-
-    Memory: the lookup works on (token, row) pairs, so activations grow with the routed tokens' actual table sizes
-    (P = Σ d_t scalars for scores and probabilities), never with `k_max`; no `(N, k_max, C)` tensor is built.
-    """
-
-    pair_chunk_size = 1 << 16
-
-    def __init__(self, config: L3GPTConfig):
-        super().__init__()
-        table = lambda: with_init(nn.Embedding(config.l3_n_emb, config.hidden_size), "normal", 1.0)  # noqa: E731
-        self.key_table = table()
-        self.value_table = None if config.l3_tie_kv else table()
-        up_proj = nn.Linear(config.hidden_size, config.l3_d_up, bias=False)
-        self.up_proj = with_init(up_proj, "uniform", uniform_bound(config))
-        mix_proj = nn.Linear(config.l3_d_up + config.hidden_size, config.hidden_size, bias=False)
-        self.mix_proj = with_init(mix_proj, "zeros")
-        self.norm = L3GPTRMSNorm(config.rms_norm_eps)
-        self.mix_residual = config.l3_mix_input == "residual"
-
-    @torch.compiler.disable
-    def lookup(self, x: torch.Tensor, routing: L3Routing) -> torch.Tensor:
-        """`V_tᵀ softmax(K_t x / √C)` for normed hidden states `x` of shape `(N, C)`; returns `(N, C)`.
-
-        Raises:
-            RuntimeError: for offloaded tables that would need gradients, or that the forward did not fetch.
-        """
-        num_tokens, width = x.shape
-        value_table = self.key_table if self.value_table is None else self.value_table
-        keys, values, row_of_pair = self.key_table.weight, value_table.weight, routing.row_of_pair
-        if isinstance(self.key_table, HostTable):  # offloaded: the copies of the rows this forward fetched
-            keys, values, row_of_pair = fetched_tables(routing.prefetch, self.key_table, value_table)
-        scores = _PairScores.apply(
-            x, keys, routing.token_of_pair, row_of_pair, routing.pair_offsets, self.pair_chunk_size
-        ) * (width**-0.5)  # (P,)
-        segment_max = scores.new_full((num_tokens,), -math.inf).scatter_reduce(
-            0, routing.token_of_pair, scores.detach(), reduce="amax"
-        )
-        exp_scores = torch.exp(scores - segment_max[routing.token_of_pair])  # (P,)
-        normaliser = scores.new_zeros(num_tokens).index_add(0, routing.token_of_pair, exp_scores)
-        probs = exp_scores / normaliser[routing.token_of_pair]  # (P,)
-        return F.embedding_bag(
-            row_of_pair, values, routing.pair_offsets, mode="sum", per_sample_weights=probs.to(values.dtype)
-        ).to(x.dtype)  # (N, C)
-
-    def forward(self, hidden_states: torch.Tensor, routing: L3Routing) -> torch.Tensor:
-        """`hidden_states` `(batch_size, seq_len, hidden_size)` → same shape, with the layer's output added."""
-        x = self.norm(hidden_states).reshape(-1, hidden_states.size(-1))  # (N, C)
-        looked_up = self.norm(self.up_proj(self.lookup(x, routing)))  # (N, d_up)
-        mixed_input = hidden_states.reshape(-1, hidden_states.size(-1)) if self.mix_residual else x  # (N, C)
-        mixed = self.mix_proj(torch.cat([looked_up, mixed_input], dim=-1))  # (N, C)
-        return hidden_states + mixed.view_as(hidden_states)
 
 
 class L3GPTDecoderLayer(GradientCheckpointingLayer):
@@ -357,6 +223,7 @@ class L3GPTPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    _can_compile_fullgraph = True  # the L3 lookup and the chunked loss are custom ops; the smear state is static
     # `output_hidden_states=True` / `output_attentions=True` (transformers' `capture_outputs` hooks): the input of the
     # first decoder layer and each decoder layer's output (before an L3 layer after it), the last replaced by the
     # final-normed `last_hidden_state`; the attention weights where the backend returns them (eager)
@@ -372,15 +239,7 @@ class L3GPTPreTrainedModel(PreTrainedModel):
         until an allocation is set. Per-module schemes come from `with_init` tags."""
         scheme = getattr(module, "hfl3_init", None)
         if scheme is not None:
-            kind, scale = scheme
-            if kind == "uniform":
-                init.uniform_(module.weight, -scale, scale)
-            elif kind == "positive_uniform":
-                init.uniform_(module.weight, 0.0, scale)
-            elif kind == "normal":
-                init.normal_(module.weight, std=scale)
-            else:
-                init.zeros_(module.weight)
+            initialize(module.weight, scheme)
         elif isinstance(module, L3GPTModel):
             depth = self.config.num_hidden_layers
             init.copy_(module.resid_lambdas, torch.linspace(1.15, 1.05, depth))
@@ -394,6 +253,43 @@ class L3GPTPreTrainedModel(PreTrainedModel):
             inv_freq, _ = module.rope_init_fn(module.config)
             init.copy_(module.inv_freq, inv_freq)
             init.copy_(module.original_inv_freq, inv_freq)
+
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> nn.Embedding:
+        """transformers' `resize_token_embeddings` (input embedding, output head, `config.vocab_size`) extended to every
+        table indexed by token id: value-embedding tables get rows for the new tokens; the L3 allocation gives each
+        new token one row (the fewest any token owns: there is no frequency data for it), appended to the L3 tables,
+        and `config.l3_n_emb` follows (removed tokens give theirs back). Old tokens keep their rows and outputs. New
+        rows follow `mean_resizing` as transformers': the old rows' mean and covariance, or else the table's init.
+
+        Returns:
+            The input embedding (`nn.Embedding`), as transformers'.
+
+        Raises:
+            RuntimeError: if the L3 tables are offloaded (`offload_l3_tables`): resize before offloading.
+        """
+        base, old_vocab_size = self.base_model, self.config.vocab_size
+        if host_tables(base.l3_layers):
+            raise RuntimeError("resize_token_embeddings: the L3 tables are offloaded to CPU memory (offload_l3_tables"
+                               " / l3_offload); resize the model before offloading its tables")
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        if self.config.vocab_size != old_vocab_size:
+            if not mean_resizing:
+                for module in (self.get_input_embeddings(), self.get_output_embeddings()):
+                    if module is not None and module.weight.shape[0] > old_vocab_size:
+                        initialize(module.weight[old_vocab_size:], module.hfl3_init)
+            base.resize_token_tables(old_vocab_size, mean_resizing)
+        return embeddings
+
+    def resized_table(self, table: nn.Embedding, num_rows: int, mean_resizing: bool) -> None:
+        """Resize `table` in place to `num_rows` rows with transformers' `_get_resized_embeddings` (ZeRO-3 aware);
+        added rows as described in `resize_token_embeddings`."""
+        old_rows, requires_grad = table.num_embeddings, table.weight.requires_grad
+        self._get_resized_embeddings(table, num_rows, mean_resizing=mean_resizing)
+        table.weight.requires_grad_(requires_grad)
+        if not mean_resizing and num_rows > old_rows:
+            initialize(table.weight[old_rows:], table.hfl3_init)
 
     def offload_l3_tables(self, mmap_checkpoint: str | os.PathLike | None = None):
         """Keep the L3 tables in CPU memory for inference; returns the model. Each forward fetches only the routed
@@ -466,6 +362,28 @@ class L3GPTModel(L3GPTPreTrainedModel):
             )
         self.l3_bounds.copy_(bounds_from_counts(counts).to(self.l3_bounds.device))
 
+    @torch.no_grad()
+    def resize_token_tables(self, old_vocab_size: int, mean_resizing: bool = True) -> None:
+        """Resize the tables indexed by token id beside `embed_tokens` (value embeddings, L3 allocation and tables)
+        from `old_vocab_size` tokens to `config.vocab_size`; called by `resize_token_embeddings`, which has resized
+        `embed_tokens` and set the config. Updates `config.l3_n_emb` when there are L3 layers."""
+        vocab_size = self.config.vocab_size
+        for table in self.value_embeddings.values():
+            self.resized_table(table, vocab_size, mean_resizing)
+        counts = self.l3_counts()  # (old_vocab_size,)
+        if vocab_size < old_vocab_size:
+            counts = counts[:vocab_size]
+        else:  # without L3 layers every token owns zero rows
+            counts = torch.cat([counts, counts.new_full((vocab_size - old_vocab_size,), int(bool(self.l3_layers)))])
+        self.l3_bounds = bounds_from_counts(counts)
+        if not self.l3_layers:
+            return
+        self.config.l3_n_emb = int(self.l3_bounds[-1])
+        for layer in self.l3_layers.values():
+            for table in (layer.key_table, layer.value_table):
+                if table is not None:
+                    self.resized_table(table, self.config.l3_n_emb, mean_resizing)
+
     def l3_counts(self) -> torch.LongTensor:
         """Rows owned by each token, `(vocab_size,)`."""
         return self.l3_bounds[1:] - self.l3_bounds[:-1]
@@ -487,7 +405,7 @@ class L3GPTModel(L3GPTPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         """
         Args:
@@ -496,7 +414,8 @@ class L3GPTModel(L3GPTPreTrainedModel):
             attention_mask (`torch.Tensor` of shape `(batch_size, seq_len)`, *optional*): 1 = attend, 0 = padding.
             position_ids (`torch.LongTensor` of shape `(batch_size, seq_len)`, *optional*): positions; restarting
                 positions mark packed documents, which then do not attend to each other (transformers' masks).
-            past_key_values (`Cache`, *optional*): a `DynamicCache` for incremental decoding.
+            past_key_values (`Cache`, *optional*): a `DynamicCache` or `StaticCache` (built with this model's config)
+                for incremental decoding.
             inputs_embeds (`torch.FloatTensor` of shape `(batch_size, seq_len, hidden_size)`, *optional*).
             output_hidden_states, output_attentions (in `kwargs`): also return `hidden_states` (`num_hidden_layers +
                 1` tensors `(batch_size, seq_len, hidden_size)`: the first layer's input, then each layer's output,
@@ -598,6 +517,14 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
         """See [`L3GPTModel.set_l3_allocation`]."""
         self.model.set_l3_allocation(counts)
 
+    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        """Install `new_embeddings` as `lm_head`; a head without an init scheme (the one `resize_token_embeddings`
+        builds) keeps the current head's, so that `_init_weights` still knows how to initialise it."""
+        if not hasattr(new_embeddings, "hfl3_init"):
+            new_embeddings.hfl3_init = self.lm_head.hfl3_init
+        self.lm_head = new_embeddings
+
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -609,7 +536,7 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         return_logits: bool = False,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         """
         Args:
@@ -618,6 +545,8 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
             logits_to_keep (`int` or `torch.Tensor`): compute logits only for the last N positions (0 = all).
             return_logits: in training mode with `labels`, also build the logits and take the loss from them (the
                 memory-heavy path of eval mode) instead of the fused/chunked loss.
+            return_dict (in `kwargs`, default `config.return_dict`): False returns `to_tuple()` of the output (its
+                fields that are not None, in order).
             num_items_in_batch (in `kwargs`): count of target tokens across gradient-accumulation steps.
             Other arguments: see [`L3GPTModel.forward`].
 
@@ -635,6 +564,7 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            return_dict=True,  # read by field below; `can_return_tuple` makes this model's own output a tuple
             **kwargs,
         )
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

@@ -76,10 +76,10 @@ class FetchedRows(NamedTuple):
 
 
 class L3Prefetch(NamedTuple):
-    """The offloaded tables' rows routed in one forward. `row_of_pair`: `(P,)` row of the fetched tables for each
-    (token, row) pair of the routing; `fetched`: one [`FetchedRows`] per `HostTable`."""
+    """The offloaded tables' rows routed in one forward. `starts`: `(N,)` first row of each routed token in the
+    fetched rows (a token's rows stay consecutive); `fetched`: one [`FetchedRows`] per `HostTable`."""
 
-    row_of_pair: torch.LongTensor
+    starts: torch.LongTensor
     fetched: dict
 
     def rows(self, table: HostTable) -> torch.Tensor:
@@ -152,7 +152,7 @@ def prefetch_routed_rows(input_ids: torch.LongTensor, l3_bounds: torch.LongTenso
             ready.record(stream)
         fetched[table] = FetchedRows(rows, ready)
     row_shift = row_shift.to(device, non_blocking=True)  # after the copies are queued: no wait for this stream
-    return L3Prefetch(routing.row_of_pair + row_shift[routing.token_of_pair], fetched)
+    return L3Prefetch(routing.starts + row_shift, fetched)
 
 
 def host_tables(l3_layers: nn.ModuleDict) -> list[HostTable]:
@@ -162,7 +162,8 @@ def host_tables(l3_layers: nn.ModuleDict) -> list[HostTable]:
 
 
 def fetched_tables(prefetch: L3Prefetch | None, key_table: HostTable, value_table: HostTable):
-    """(key rows, value rows, row_of_pair) that an L3 layer with offloaded tables reads in this forward.
+    """(key rows, value rows, starts) that an L3 layer with offloaded tables reads in this forward (`starts`: `(N,)`
+    first fetched row of each token).
 
     Raises:
         RuntimeError: if the tables would need gradients (training them needs the whole tables where the optimizer
@@ -179,7 +180,7 @@ def fetched_tables(prefetch: L3Prefetch | None, key_table: HostTable, value_tabl
         raise RuntimeError(
             "offloaded L3 tables are fetched by L3GPTModel.forward (route_l3); call the model, not the L3 layer alone"
         )
-    return prefetch.rows(key_table), prefetch.rows(value_table), prefetch.row_of_pair
+    return prefetch.rows(key_table), prefetch.rows(value_table), prefetch.starts
 
 
 def mapped_tables(checkpoint: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:
