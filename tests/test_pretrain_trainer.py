@@ -169,6 +169,12 @@ def test_the_recorder_sees_the_syncs_transformers_would_make(rows, tmp_path):
     assert names.count("__bool__") >= 1 and names.count("item") >= 1, names
 
 
+def test_auto_find_batch_size_is_refused_while_parsing(tmp_path):
+    # the stream's state and the planned total batch would no longer match what is trained after a halving
+    with pytest.raises(ValueError, match="auto_find_batch_size=True is not supported.*per_device_train_batch_size"):
+        PretrainConfig(output_dir=str(tmp_path), auto_find_batch_size=True, report_to="none")
+
+
 def test_fp8_without_compile_warns_at_start(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="hfl3.trainers.pretrain"):
         PretrainConfig(output_dir=str(tmp_path), fp8="tensorwise", report_to="none")

@@ -137,6 +137,11 @@ class PretrainConfig(GroupLearningRates, TrainingArguments):
             raise ValueError(f"fp8={self.fp8!r}; expected tensorwise, rowwise or unset")
         if not 0 <= self.warmdown_ratio <= 1:
             raise ValueError(f"warmdown_ratio={self.warmdown_ratio} must be in [0, 1]")
+        if self.auto_find_batch_size:
+            # Halving the batch after an out-of-memory error would change the total batch the run was planned with
+            # and restart the data stream from a state that no longer matches what was trained
+            raise ValueError("auto_find_batch_size=True is not supported by the pretraining recipe; set a smaller "
+                             "--per_device_train_batch_size (gradient accumulation keeps --total_batch_size)")
         for name in ("target_param_data_ratio", "target_flops"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive (leave it out to use the next rule: "
@@ -296,7 +301,7 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
         extra = dict(persistent_workers=self.args.dataloader_persistent_workers,
                      prefetch_factor=self.args.dataloader_prefetch_factor,
                      multiprocessing_context=self.args.dataloader_multiprocessing_context) if workers else {}
-        return stream_dataloader(self.train_dataset, self._train_batch_size, self.data_collator, self.data_progress,
+        return stream_dataloader(self.train_dataset, self.args.train_batch_size, self.data_collator, self.data_progress,
                                  workers, pin_memory=self.args.dataloader_pin_memory, **extra)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
