@@ -53,7 +53,7 @@ from transformers import HfArgumentParser
 from hfl3.data.packing import PackingReport
 from hfl3.data.sources import open_corpus
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream, StreamProgress, stream_dataloader
-from hfl3.provenance import write_json_atomic
+from hfl3.atomic import write_json_atomic
 from hfl3.tokenization import load_tokenizer, train_tokenizer
 from hfl3.trainers.pretrain import PackedCollator
 

@@ -227,7 +227,7 @@ def report(args: Args, runs: dict, logit_diff: dict, table_bytes: int, touched: 
     output = {"args": asdict(args), "device": device, "table_bytes": table_bytes, "touched_table_bytes": touched,
               "max_abs_logit_diff": logit_diff, "median": median, "runs": runs}
     if args.json:
-        from hfl3.provenance import write_json_atomic
+        from hfl3.atomic import write_json_atomic
 
         write_json_atomic(args.json, output)
     return output

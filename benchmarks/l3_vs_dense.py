@@ -57,7 +57,7 @@ from l3_flops import l3_lookup_flops_per_token
 import text_corpus as text
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES
-from hfl3.provenance import write_json_atomic
+from hfl3.atomic import write_json_atomic
 from hfl3.tokenization import token_bytes, train_tokenizer
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 

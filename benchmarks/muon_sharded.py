@@ -41,7 +41,7 @@ from transformers import HfArgumentParser
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.optim import MuonAdamW, param_groups_by_kind
-from hfl3.provenance import write_json_atomic
+from hfl3.atomic import write_json_atomic
 
 SCHEMES = ("ddp", "zero2", "zero3", "fsdp2")
 ADAMW_LR = 1e-3

@@ -39,7 +39,7 @@ from transformers import HfArgumentParser
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.optim import MuonAdamW, MuonSettings, muon_momentum, normuon_rescale, orthogonalize, param_groups_by_kind
 from hfl3.optim.muon_scaling import equilibrate, renormalize
-from hfl3.provenance import write_json_atomic
+from hfl3.atomic import write_json_atomic
 
 MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
 

@@ -321,7 +321,7 @@ def main(args: VsNanochatArguments, on_result=None) -> dict:
     output = {"args": recorded, "device": device, "torch": torch.__version__, "reference": reference["arm"],
               "results": results}
     if args.json:
-        from hfl3.provenance import write_json_atomic
+        from hfl3.atomic import write_json_atomic
 
         write_json_atomic(Path(args.json), output)
     return output
