@@ -1,4 +1,4 @@
-"""L3 tables served from CPU memory vs kept with the model: memory saved and generation tok/s (issue 17 B).
+"""L3 tables served from CPU memory vs kept with the model: memory saved and generation tok/s.
 
 Builds an L3GPT whose tables dominate its size (LZW allocation of real text), saves it to a temporary folder, then
 loads it once per arm, each arm in a fresh process, arms alternating over `--rounds`:

@@ -1,4 +1,4 @@
-"""Cost of Muon's sharded step (issue 16): an optimizer step under DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 vs DDP, on W
+"""Cost of Muon's sharded step: an optimizer step under DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 vs DDP, on W
 gloo CPU processes, with the Muon state each rank holds.
 
 Every arm trains the same L3GPT (same seed, same fixed batch of `rows_per_rank` rows per rank) for `warmup_steps` +

@@ -1,4 +1,4 @@
-"""The Trainer path around a pretraining step: no device→host synchronisation between logs (issue 12, item 4), and
+"""The Trainer path around a pretraining step: no device→host synchronisation between logs (each one stalls the host behind the GPU; docs/design.md, decision 12), and
 the token count and throughput it reports stay exact."""
 
 import datasets
