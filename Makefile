@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# demo and test print their elapsed time after the installation (issue 14: demo <= 5 min, test <= 10 min on 2 cores).
+# demo and test print their elapsed time after the installation (their budgets on 2 cores: demo <= 5 min, test <= 10 min).
 demo: $(STAMP)
 	@start=$$(date +%s); \
 	$(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain.py \

@@ -1,4 +1,4 @@
-"""The streamed pretraining data (issue 13): packed tokens/s of the loader alone against the tokenizer's own
+"""The streamed pretraining data: packed tokens/s of the loader alone against the tokenizer's own
 `encode_batch` rate in the same run, and the recipe's peak memory with a 2 GB corpus against a 50 MB one.
 
     python benchmarks/data_loader.py --json benchmarks/results/data_loader_cpu.json
@@ -25,7 +25,7 @@ Throughput, on documents of `corpus_50mb/` (`max_seq_len` 2048, documents whole,
   packed + cropped: the work done) and packed tokens per second (in rows). Their ratio to `encode_batch` is the
   pipeline's cost: goal >= 0.9.
 - `DataLoader, N workers`: `stream_dataloader` with `PackedCollator`, as the Trainer reads it: packed tokens/s
-  across N worker processes. The d12 step consumes 450k tokens/s on one H100 (DESIGN.md); the table says whether this
+  across N worker processes. The d12 step consumes ~450k tokens/s on one H100 (nanochat's d12: 444k, docs/design.md, nanochat and L3GPT); the table says whether this
   machine's loader reaches it.
 
 Memory: `python recipes/pretrain.py` on each corpus with the same flags (`--max_steps 20`, a tiny dense model, rows
@@ -53,7 +53,7 @@ from transformers import HfArgumentParser
 from hfl3.data.packing import PackingReport
 from hfl3.data.sources import open_corpus
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream, StreamProgress, stream_dataloader
-from hfl3.provenance import write_json_atomic
+from hfl3.atomic import write_json_atomic
 from hfl3.tokenization import load_tokenizer, train_tokenizer
 from hfl3.trainers.pretrain import PackedCollator
 
@@ -63,7 +63,7 @@ from common import find_asset  # noqa: E402
 
 SEPARATOR = "<|endoftext|>"
 SHARD_BYTES = 25_000_000
-D12_TOKENS_PER_SECOND = 450_000  # nanochat d12 step on one H100 (DESIGN.md: 444k tok/s measured)
+D12_TOKENS_PER_SECOND = 450_000  # nanochat's d12 step on one H100: 444k tok/s measured (docs/design.md, nanochat and L3GPT)
 
 
 @dataclass

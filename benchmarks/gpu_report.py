@@ -81,7 +81,7 @@ def render_markdown(results: dict) -> str:
 
 def write_results(path: Path, results: dict) -> None:
     """`results` as JSON at `path` and its markdown beside it (`.md`), each written atomically."""
-    from hfl3.provenance import atomic_path, write_json_atomic
+    from hfl3.atomic import atomic_path, write_json_atomic
 
     write_json_atomic(path, results)
     with atomic_path(path.with_suffix(".md")) as tmp:

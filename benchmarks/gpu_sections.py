@@ -357,7 +357,7 @@ class Section(NamedTuple):
 
 
 # In the order of importance of the measurements owed; the shares were set before any GPU run (estimates from the
-# compile times GPU.md reports) and should be corrected from the first run's `seconds`
+# compile times measured for the GPU machine's image) and should be corrected from the first run's
 SECTIONS = {
     "pretrain": Section(run_pretrain, "pretraining step vs nanochat at d12", 330, ("hfl3", "datasets")),
     "fp8": Section(run_fp8, "FP8 tensorwise / rowwise / accelerate's torchao vs bf16 at d20", 360,

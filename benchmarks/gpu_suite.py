@@ -177,7 +177,7 @@ def device_slug(device: str, profile: Profile) -> str:
 def _section_process(name: str, profile: Profile, partial: str) -> None:
     """Child: run section `name`, writing `{"status", "rows", "details"[, "error"]}` to `partial` as it goes."""
     os.setsid()  # its own process group: the parent can stop it and every process it started at once
-    from hfl3.provenance import write_json_atomic
+    from hfl3.atomic import write_json_atomic
 
     def report(rows: list[dict], details) -> None:
         write_json_atomic(partial, {"status": "running", "rows": rows, "details": details})

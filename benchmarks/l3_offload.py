@@ -1,4 +1,4 @@
-"""L3 tables served from CPU memory vs kept with the model: memory saved and generation tok/s (issue 17 B).
+"""L3 tables served from CPU memory vs kept with the model: memory saved and generation tok/s.
 
 Builds an L3GPT whose tables dominate its size (LZW allocation of real text), saves it to a temporary folder, then
 loads it once per arm, each arm in a fresh process, arms alternating over `--rounds`:
@@ -227,7 +227,7 @@ def report(args: Args, runs: dict, logit_diff: dict, table_bytes: int, touched: 
     output = {"args": asdict(args), "device": device, "table_bytes": table_bytes, "touched_table_bytes": touched,
               "max_abs_logit_diff": logit_diff, "median": median, "runs": runs}
     if args.json:
-        from hfl3.provenance import write_json_atomic
+        from hfl3.atomic import write_json_atomic
 
         write_json_atomic(args.json, output)
     return output

@@ -1,13 +1,13 @@
 """Does L3 pay off? A dense L3GPT vs the same with L3 layers vs a dense model widened to the L3 model's FLOPs; and
-does nanochat master's dense core (value embeddings, smear, backout: issue 17) pay off against the one before?
+does nanochat master's dense core (value embeddings, smear, backout) pay off against the one without them?
 
 Four arms, trained through hfl3's product path (`L3GPTTrainer`, `PackedCollator`, `BitsPerByte`) on the Gutenberg
 novels of the assets' text/gutenberg folder (see benchmarks/common.py), validated on one held-out novel, each for
 every seed, arms interleaved (seed 0: a, b, c; seed 1: a, b, c) so that load drift on a shared machine hits all arms
 alike:
 
-- `dense_legacy` the dense L3GPT without nanochat master's features (`LEGACY_FIELD_VALUES`: the core before
-  issue 17, what a config.json written before it loads as);
+- `dense_legacy` the dense L3GPT without nanochat master's features (`LEGACY_FIELD_VALUES`: the core without
+  those features, what a config.json written before them loads as);
 - `dense`      (a) the dense L3GPT from `L3GPTConfig.from_depth(depth, ...)` (value embeddings, smear, backout on);
 - `l3`         (b) the same with L3 layers after `l3_after_layers` (LZW allocation from the training tokens);
 - `dense_wide` (c) dense, `hidden_size` widened (heads kept, `head_dim = hidden_size / heads`) until its training
@@ -57,7 +57,7 @@ from l3_flops import l3_lookup_flops_per_token
 import text_corpus as text
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES
-from hfl3.provenance import write_json_atomic
+from hfl3.atomic import write_json_atomic
 from hfl3.tokenization import token_bytes, train_tokenizer
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 

@@ -100,7 +100,8 @@ def main(args: Args) -> dict:
               f"{r['seconds']:>8.2f}{r['seconds'] / plain['seconds']:>7.2f}{r['loss']:>10.5f}{r['grad_norm']:>11.5f}")
     print(f"|Δ loss| = {abs(chunked['loss'] - plain['loss']):.2e}, "
           f"relative Δ grad norm = {abs(chunked['grad_norm'] / plain['grad_norm'] - 1):.2e}")
-    from hfl3.provenance import package_versions, write_json_atomic
+    from hfl3.atomic import write_json_atomic
+    from hfl3.provenance import package_versions
 
     output = {"args": asdict(args), "versions": package_versions(), "fused": fused, "logits_bytes": logits_bytes,
               "results": [plain, chunked]}

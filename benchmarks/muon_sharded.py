@@ -1,4 +1,4 @@
-"""Cost of Muon's sharded step (issue 16): an optimizer step under DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 vs DDP, on W
+"""Cost of Muon's sharded step: an optimizer step under DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 vs DDP, on W
 gloo CPU processes, with the Muon state each rank holds.
 
 Every arm trains the same L3GPT (same seed, same fixed batch of `rows_per_rank` rows per rank) for `warmup_steps` +
@@ -41,7 +41,7 @@ from transformers import HfArgumentParser
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.optim import MuonAdamW, param_groups_by_kind
-from hfl3.provenance import write_json_atomic
+from hfl3.atomic import write_json_atomic
 
 SCHEMES = ("ddp", "zero2", "zero3", "fsdp2")
 ADAMW_LR = 1e-3

@@ -1,4 +1,4 @@
-"""Cost of one optimizer step: hfl3's MuonAdamW vs torch.optim.AdamW on the same L3GPT, in one run (issue 12).
+"""Cost of one optimizer step: hfl3's MuonAdamW vs torch.optim.AdamW on the same L3GPT, in one run.
 
 Goal on one H100 at d12 + one L3 layer: a MuonAdamW step ≤ 3× a fused AdamW step on the same parameters.
 
@@ -8,9 +8,9 @@ optimizer work; the arms alternate step by step, so that they share the machine'
   muon_eager     `MuonAdamW(param_groups_by_kind(model), compile_update=False)`: same-shape matrices in stacks
   muon_compiled  the same with `compile_update=True` (each stack's update one compiled graph); MuonAdamW's default
                  on CUDA. `--compiled false` leaves it out (compiling takes ~10-30 s per shape on a CPU)
-  per_parameter  the MuonAdamW step before issue 12 (commit 0d37b51), kept here as the baseline: one Polar Express
+  per_parameter  the MuonAdamW step before same-shape stacks (commit 0d37b51), kept here as the baseline: one Polar Express
                  per matrix (`mm`/`addmm`), NorMuon and weight decay per matrix, torch's default functional AdamW;
-                 with MuonEq and Muon+ per matrix when the group has them (issue 17), so that the math is the same
+                 with MuonEq and Muon+ per matrix when the group has them (nanochat 4e014d3), so that the math is the same
 
 Per arm: median wall time of a step (CUDA: synchronised before and after), process CPU time of a step (on CUDA the
 launch cost), GPU time (CUDA events), aten operations and matmuls dispatched in one step, optimizer state MB, and
@@ -39,7 +39,7 @@ from transformers import HfArgumentParser
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.optim import MuonAdamW, MuonSettings, muon_momentum, normuon_rescale, orthogonalize, param_groups_by_kind
 from hfl3.optim.muon_scaling import equilibrate, renormalize
-from hfl3.provenance import write_json_atomic
+from hfl3.atomic import write_json_atomic
 
 MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
 
@@ -73,7 +73,7 @@ class OperationCounter(TorchDispatchMode):
 
 
 class PerParameterMuonAdamW:
-    """MuonAdamW's step before issue 12, for timing: a Python loop over the matrices, torch's default AdamW."""
+    """MuonAdamW's step before same-shape stacks (commit 0d37b51), for timing: a Python loop over the matrices, torch's default AdamW."""
 
     def __init__(self, groups: list[dict]):
         self.param_groups = [MuonAdamW([group]).param_groups[0] for group in groups]  # the same defaults

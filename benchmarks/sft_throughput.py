@@ -65,18 +65,20 @@ def save_tiny_qwen3(folder: Path, hidden: int, layers: int, heads: int = 4) -> P
 
 
 class Timer:
-    """TrainerCallback recording (wall time, process CPU time, non-padding tokens so far) at the end of every
-    optimizer step."""
+    """TrainerCallback recording (wall time, process CPU time, non-padding tokens so far) at every training log
+    (`logging_steps=1`: every optimizer step), the tokens as TRL's `SFTTrainer` and hfl3's trainer both log them
+    (`num_tokens`)."""
 
-    def __init__(self, trainer_ref):
+    def __init__(self):
         from transformers import TrainerCallback
 
         self.marks: list[tuple[float, float, int]] = []
         timer = self
 
         class _Callback(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                timer.marks.append((time.perf_counter(), time.process_time(), trainer_ref()._total_train_tokens))
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    timer.marks.append((time.perf_counter(), time.process_time(), logs["num_tokens"]))
 
         self.callback = _Callback()
 
@@ -103,7 +105,7 @@ def worker(row: str, args) -> dict:
     subset = Path(args.work) / "train.jsonl"
     common = dict(
         output_dir=str(Path(args.work) / row), per_device_train_batch_size=args.batch_size, max_steps=args.max_steps,
-        max_length=args.max_length, logging_steps=10_000, save_strategy="no", report_to="none", disable_tqdm=True,
+        max_length=args.max_length, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         seed=0, dataloader_num_workers=0,
     )
     if row.startswith("trl"):
@@ -135,7 +137,7 @@ def worker(row: str, args) -> dict:
         script_args, model_args, training_args = make_parser().parse_args_and_config(cli)
         script_args.eval_file = None
         trainer, _, _ = build_trainer(script_args, training_args, model_args)
-    timer = Timer(lambda: trainer)
+    timer = Timer()
     trainer.add_callback(timer.callback)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -214,7 +216,8 @@ def run(args: argparse.Namespace) -> dict:
               f"{r['supervised_per_s']:>12.0f} {r['supervised_per_s'] / reference['supervised_per_s']:>6.2f} "
               f"{r['tokens_per_cpu_s']:>12.0f} {r['tokens_per_cpu_s'] / reference['tokens_per_cpu_s']:>6.2f} "
               f"{r['s_per_step']:>7.2f} {r['peak_mib']:>9.0f} {r['peak_mib'] / reference['peak_mib']:>6.2f}")
-    from hfl3.provenance import package_versions, write_json_atomic
+    from hfl3.atomic import write_json_atomic
+    from hfl3.provenance import package_versions
 
     # Paths relative to the repository: no absolute local path in a committed result
     recorded = {key: shown_path(value) if isinstance(value, str) and os.path.isabs(value) else value

@@ -40,7 +40,7 @@ from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.callbacks import LossPlotCallback, ThroughputCallback, flops_per_token
 import text_corpus as text
 from hfl3.models.l3gpt import lzw_allocation
-from hfl3.provenance import write_json_atomic
+from hfl3.atomic import write_json_atomic
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
 

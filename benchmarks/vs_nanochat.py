@@ -36,7 +36,7 @@ over the whole arm (build, warm-up and window).
     python benchmarks/vs_nanochat.py                                   # no GPU: tiny shape on CPU, fp32, hfl3 only
 
 Get nanochat with `git clone https://github.com/karpathy/nanochat build/nanochat` (`build/` is git-ignored). Goals
-(issue 12): hfl3 dense ≥ 1.1× nanochat's tok/s (≥ 44 % MFU) with peak memory ≤ 1.1× nanochat's; hfl3 with L3 ≥
+(docs/design.md, decision 12): hfl3 dense ≥ 1.1× nanochat's tok/s (≥ 44 % MFU) with peak memory ≤ 1.1× nanochat's; hfl3 with L3 ≥
 0.9× hfl3 dense; FP8 tensorwise ≥ 1.2× bf16 at d20.
 """
 
@@ -321,7 +321,7 @@ def main(args: VsNanochatArguments, on_result=None) -> dict:
     output = {"args": recorded, "device": device, "torch": torch.__version__, "reference": reference["arm"],
               "results": results}
     if args.json:
-        from hfl3.provenance import write_json_atomic
+        from hfl3.atomic import write_json_atomic
 
         write_json_atomic(Path(args.json), output)
     return output

@@ -3,7 +3,7 @@ nanochat/core_eval.py) for the same model and items; results in dev/LOG.md.
 
     # 1. a small bundle in nanochat's layout, built from local text (lines split into words; seeded)
     python dev/core_parity.py make_bundle --output_dir build/core_bundle_text \
-        --source ../shared/assets/text/gutenberg/*.txt
+        --source tests/fixtures/text/gutenberg/*.txt
     # 2. per task: nanochat's evaluate_task and per-item evaluate_example vs hfl3's evaluate_task, and the prompts
     python dev/core_parity.py compare --model_name_or_path outputs/demo --core_bundle_dir build/core_bundle_text \
         --nanochat_dir /path/to/nanochat

@@ -269,47 +269,9 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
     if config.vocab_size != plan.vocab_size:  # a BPE trained on little text can stop short of --vocab_size
         plan = plan_run(model_args, training_args, len(tokenizer))
     training_args.apply_compute_optimal_plan(plan)
-    model = L3GPTForCausalLM(config)
-    if config.l3_after_layers and not training_args.resume_from_checkpoint:  # resuming: the checkpoint's
-        sample = data.train.sample_documents(script_args.l3_sample_tokens)
-        model.set_l3_allocation(lzw_allocation(sample, config.vocab_size, config.l3_n_emb, config.l3_k_max))
-        counts = model.model.l3_counts().float()
-        logger.info("L3 allocation: mean %.1f, max %d, tokens at k_max %d", counts.mean(), counts.max(),
-                    int((counts == config.l3_k_max).sum()))
-    ao_fp8 = fp8.check_ao_backend(training_args, model)  # accelerate's torchao backend (fp8_ao.yaml), or None
-    if ao_fp8:
-        logger.info("fp8 through accelerate's torchao backend: %s", ao_fp8)
-    if training_args.fp8:
-        fp8.convert_to_float8_training(model, recipe=training_args.fp8)  # logs the converted layers
-    logger.info("model: %.2fM parameters (%.2fM in L3 tables)", model.num_parameters() / 1e6,
-                sum(p.numel() for n, p in model.named_parameters() if "_table" in n) / 1e6)
-
-    bpb = BitsPerByte(token_bytes(tokenizer))
-    trainer = L3GPTTrainer(
-        model=model, args=training_args, train_dataset=data.train,
-        eval_dataset=datasets.Dataset.from_dict({"input_ids": data.eval_rows}),
-        data_collator=PackedCollator(tokenizer.bos_token_id, training_args.attend_across_documents),
-        processing_class=tokenizer, compute_metrics=bpb,
-        preprocess_logits_for_metrics=BitsPerByte.preprocess_logits_for_metrics,
-        callbacks=[ThroughputCallback(plan.flops_per_token),
-                   LossPlotCallback(("loss", "eval_bpb"))],
-    )
-    if is_deepspeed_zero3_enabled():  # SampleCallback generates on rank 0 alone; ZeRO-3 needs every rank's shards
-        logger.info("ZeRO-3: no samples at evaluation (SampleCallback generates on the main process only)")
-    else:
-        trainer.add_callback(SampleCallback(tokenizer, script_args.sample_prompts))
-    core = CoreMetricCallback(trainer, core_bundle, training_args.core_metric_every) if core_bundle else None
-    if core:
-        trainer.add_callback(core)
-    # The step-0 evaluation runs inside train(): evaluate() before train() would leave the model without DDP (no
-    # gradient all-reduce: accelerate marks it prepared for evaluation) and breaks DeepSpeed ZeRO
-    training_args.eval_on_start = not training_args.resume_from_checkpoint
-    train_metrics = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint).metrics
-    metrics = {**train_metrics, **trainer.evaluate()}  # train_loss and throughput over the whole run
-    if core:  # evaluated at the end of training
-        metrics.update(core.latest.metrics())
-    metrics["initial_eval_bpb"] = next((e["eval_bpb"] for e in trainer.state.log_history
-                                        if e["step"] == 0 and "eval_bpb" in e), None)
+    model = build_model(script_args, training_args, config, data)
+    trainer, core = build_trainer(script_args, training_args, model, data, plan, core_bundle)
+    metrics = train_and_evaluate(trainer, core)
     consumed = trainer.stream_summary()  # every rank: gathers what each one trained on
     logger.info("training stream: %d documents read, %d held out, %d duplicates within a shard dropped",
                 consumed["documents"], consumed["held_out_documents"], consumed["duplicate_documents"])
@@ -327,6 +289,66 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
     if trainer.is_world_process_zero():
         reload_and_generate(training_args.output_dir, (script_args.sample_prompts or ["def"])[0])
     trainer.push_output()
+    return metrics
+
+
+def build_model(script_args: ScriptArguments, training_args: PretrainConfig, config: L3GPTConfig,
+                data: PretrainData) -> L3GPTForCausalLM:
+    """A fresh L3GPT with its L3 allocation from a sample of the training stream (a resumed run takes the
+    checkpoint's), converted to FP8 when `--fp8` asks."""
+    model = L3GPTForCausalLM(config)
+    if config.l3_after_layers and not training_args.resume_from_checkpoint:
+        sample = data.train.sample_documents(script_args.l3_sample_tokens)
+        model.set_l3_allocation(lzw_allocation(sample, config.vocab_size, config.l3_n_emb, config.l3_k_max))
+        counts = model.model.l3_counts().float()
+        logger.info("L3 allocation: mean %.1f, max %d, tokens at k_max %d", counts.mean(), counts.max(),
+                    int((counts == config.l3_k_max).sum()))
+    ao_fp8 = fp8.check_ao_backend(training_args, model)  # accelerate's torchao backend (fp8_ao.yaml), or None
+    if ao_fp8:
+        logger.info("fp8 through accelerate's torchao backend: %s", ao_fp8)
+    if training_args.fp8:
+        fp8.convert_to_float8_training(model, recipe=training_args.fp8)  # logs the converted layers
+    logger.info("model: %.2fM parameters (%.2fM in L3 tables)", model.num_parameters() / 1e6,
+                sum(p.numel() for n, p in model.named_parameters() if "_table" in n) / 1e6)
+    return model
+
+
+def build_trainer(script_args: ScriptArguments, training_args: PretrainConfig, model: L3GPTForCausalLM,
+                  data: PretrainData, plan: ComputeOptimalPlan, core_bundle) -> tuple:
+    """`(L3GPTTrainer, CoreMetricCallback or None)` with the recipe's collator, bits-per-byte metric and callbacks."""
+    tokenizer = data.train.tokenizer
+    trainer = L3GPTTrainer(
+        model=model, args=training_args, train_dataset=data.train,
+        eval_dataset=datasets.Dataset.from_dict({"input_ids": data.eval_rows}),
+        data_collator=PackedCollator(tokenizer.bos_token_id, training_args.attend_across_documents),
+        processing_class=tokenizer, compute_metrics=BitsPerByte(token_bytes(tokenizer)),
+        preprocess_logits_for_metrics=BitsPerByte.preprocess_logits_for_metrics,
+        callbacks=[ThroughputCallback(plan.flops_per_token),
+                   LossPlotCallback(("loss", "eval_bpb"))],
+    )
+    if is_deepspeed_zero3_enabled():  # SampleCallback generates on rank 0 alone; ZeRO-3 needs every rank's shards
+        logger.info("ZeRO-3: no samples at evaluation (SampleCallback generates on the main process only)")
+    else:
+        trainer.add_callback(SampleCallback(tokenizer, script_args.sample_prompts))
+    core = CoreMetricCallback(trainer, core_bundle, training_args.core_metric_every) if core_bundle else None
+    if core:
+        trainer.add_callback(core)
+    return trainer, core
+
+
+def train_and_evaluate(trainer: L3GPTTrainer, core) -> dict:
+    """Train (resuming when asked), evaluate, and return the run's metrics: the Trainer's over the whole run, the final
+    evaluation's, CORE's at the end (when evaluated) and `initial_eval_bpb` (step 0)."""
+    args = trainer.args
+    # The step-0 evaluation runs inside train(): evaluate() before train() would leave the model without DDP (no
+    # gradient all-reduce: accelerate marks it prepared for evaluation) and breaks DeepSpeed ZeRO
+    args.eval_on_start = not args.resume_from_checkpoint
+    train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
+    metrics = {**train_metrics, **trainer.evaluate()}  # train_loss and throughput over the whole run
+    if core:  # evaluated at the end of training
+        metrics.update(core.latest.metrics())
+    metrics["initial_eval_bpb"] = next((e["eval_bpb"] for e in trainer.state.log_history
+                                        if e["step"] == 0 and "eval_bpb" in e), None)
     return metrics
 
 

@@ -48,7 +48,8 @@ from hfl3.data.chat import write_chat_jsonl
 from hfl3.data.sft import load_sft_data
 from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.generation import answer_prompts
-from hfl3.provenance import build_metadata, config_sha256, write_json_atomic
+from hfl3.atomic import write_json_atomic
+from hfl3.provenance import build_metadata, config_sha256
 from hfl3.trainers.guards import check_vocabulary_fits, exit_on_training_error
 from hfl3.trainers.launch import add_config_argument, check_launch, parse_recipe_args
 from hfl3.trainers.inputs import (

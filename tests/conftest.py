@@ -124,9 +124,18 @@ def pytest_configure(config):
                                        "tests/conftest.py): skipped, naming what to set, where it is not found")
 
 
+def xdist_group(item) -> str:
+    """A module's tests run in one worker, so that its module-scoped fixtures (whole recipe runs) run once; the
+    multi-process tests share one worker, so that their session-scoped launches run once and no two of them
+    contend for the cores or a rendezvous port at the same time."""
+    return "distributed" if item.get_closest_marker("distributed") else item.nodeid.split("::")[0]
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    for item in items:  # pytest-xdist (`make test` runs 2 workers) schedules by these groups
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
     needs_gemma3 = [item for item in items if item.get_closest_marker("gemma3")]  # keywords would match param ids
     if needs_gemma3 and gemma3_folder() is None:
         skip_gemma3 = pytest.mark.skip(reason=gemma3_missing_reason())

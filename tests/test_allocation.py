@@ -53,7 +53,7 @@ def test_allocation_rejects_out_of_range_ids():
 
 
 def test_real_text_allocation_is_skewed(assets):
-    """nanochat PR #559's allocator came out near-uniform; the paper's must favour frequent tokens."""
+    """nanochat's L3 pull request (karpathy/nanochat#559) allocator came out near-uniform; the paper's must favour frequent tokens."""
     tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
     text = (assets / "text" / "tinyshakespeare.txt").read_text()[:300_000]
     ids = tokenizer(text)["input_ids"]

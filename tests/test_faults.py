@@ -1,4 +1,4 @@
-"""Crash safety of output folders and checkpoints (issue 15 items 1, 3, 4, 5, 6, 9; issue 14 items 1, 8).
+"""Crash safety of output folders and checkpoints (docs/design.md, decision 13).
 
 The launching test kills `recipes/pretrain.py` with SIGKILL (through `tests/fault_launch.py`) mid-step, mid-checkpoint
 and mid-final-save, resumes each time with `--resume_from_checkpoint latest`, and compares the result with an

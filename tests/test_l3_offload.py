@@ -1,4 +1,4 @@
-"""L3 tables served from CPU memory (issue 17 B): outputs equal the on-device model's (logits, greedy generation with a
+"""L3 tables served from CPU memory: outputs equal the on-device model's (logits, greedy generation with a
 cache), tables memory-mapped from safetensors, inference-only refusal, moving the model, remote code; on CUDA the
 fetch overlaps the decoder layers (marked gpu)."""
 

@@ -321,7 +321,7 @@ NANOCHAT_MASTER_FIELDS = (
 
 
 def test_config_json_from_before_nanochat_master_features_loads_them_off(tmp_path):
-    """A checkpoint saved before issue 17 has no key for the new fields: it loads with its own architecture (no
+    """A checkpoint saved before value embeddings, smear and backout existed has no key for their fields: it loads with its own architecture (no
     missing or unexpected weights) and gives its own logits; a new config of the same fields gets them on."""
     model = skewed_model(tiny_config(**copy.deepcopy(LEGACY_FIELD_VALUES))).eval()
     model.save_pretrained(tmp_path)

@@ -100,7 +100,7 @@ def test_a_flat_tensor_that_no_zero_optimizer_mapped_is_refused():
 
 def test_zero3_partitioned_parameters_are_grouped_by_ds_shape():
     """Under zero.Init each weight is an empty 1-D tensor with `ds_shape`: it still goes to Muon (DeepSpeed's own Muon
-    put such weights on Adam, #8438). Handed to MuonAdamW themselves, not as ZeRO partitions, they are refused."""
+    put such weights on Adam, deepspeedai/DeepSpeed#8438). Handed to MuonAdamW themselves, not as ZeRO partitions, they are refused."""
     model = _matrices()
     expected = [(group["name"], len(group["params"])) for group in param_groups_by_kind(model)]
     for index, module in enumerate(model):

@@ -1,4 +1,4 @@
-"""MuonAdamW's batched step (issue 12): same-shape matrices orthogonalised as one stack, a kernel count that does
+"""MuonAdamW's batched step: same-shape matrices orthogonalised as one stack, a kernel count that does
 not grow with depth, equality with the per-matrix update, skipped parameters, exact state round trips, the compiled
 stack update, and the fused AdamW path on CUDA."""
 

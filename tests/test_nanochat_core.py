@@ -7,8 +7,9 @@ Conventions of nanochat that differ from hfl3's defaults, matched here through t
 - sliding window: nanochat's window W (FA3 `window_size=(W, 0)`) attends to W + 1 keys, transformers' to W: hfl3's
   `sliding_window` is W + 1;
 - RoPE base 100000 (nanochat since 6ed7d1d; hfl3's default stays 10000);
-- RMSNorm epsilon: nanochat's `F.rms_norm` without eps uses `finfo(dtype).eps` (2^-7 in its bf16 compute); the
-  reference uses hfl3's `rms_norm_eps` so that float64 can compare to 1e-10.
+- RMSNorm epsilon: nanochat's `F.rms_norm` without eps uses float32's eps (2^-23, also in bf16 compute, whose norm
+  runs in float32; the converters set `rms_norm_eps` to it); the reference uses hfl3's `rms_norm_eps` so that float64
+  can compare to 1e-10.
 """
 
 import math

@@ -1,4 +1,4 @@
-"""The Trainer path around a pretraining step: no device→host synchronisation between logs (issue 12, item 4), and
+"""The Trainer path around a pretraining step: no device→host synchronisation between logs (each one stalls the host behind the GPU; docs/design.md, decision 12), and
 the token count and throughput it reports stay exact."""
 
 import datasets
@@ -28,9 +28,10 @@ def rows(assets):
 
 
 class SyncRecorder(TorchFunctionMode):
-    """Records the tensor→Python conversions made between the first step's start and the last step's end, except
-    inside `Trainer._maybe_log_save_evaluate` (logging reads the loss on purpose) and on optimizer step counters
-    (0-D host tensors that torch's AdamW keeps on the CPU whatever the parameters' device)."""
+    """Records the tensor→Python conversions made from the start of each step to the end of its `on_step_end`
+    callbacks, except where the Trainer logs, evaluates, saves or stops (it reads the loss there on purpose, and hfl3
+    its flags and token count: `BeforeLogSaveEvaluate`) and on optimizer step counters (0-D host tensors that torch's
+    AdamW keeps on the CPU whatever the parameters' device)."""
 
     def __init__(self):
         super().__init__()
@@ -58,10 +59,25 @@ class StepMarks(TrainerCallback):
         self.recorder.step = state.global_step + 1
         self.recorder.active = True
 
+    def on_step_end(self, args, state, control, **kwargs):
+        # placed before hfl3's own callbacks, which read device values only where the Trainer syncs anyway
+        if control.should_log or control.should_evaluate or control.should_save or control.should_training_stop:
+            self.recorder.active = False
+
     def on_train_end(self, args, state, control, **kwargs):
         optimizer = self.trainer_ref[0].optimizer
         self.recorder.host_counters = [value for param_state in optimizer.state.values()
                                        for key, value in param_state.items() if key == "step" and torch.is_tensor(value)]
+
+
+class StepEnd(TrainerCallback):
+    """Added last: the recording stops after every callback of a step's end has run."""
+
+    def __init__(self, recorder: SyncRecorder):
+        self.recorder = recorder
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.recorder.active = False
 
 
 class LogReporter(TrainerCallback):
@@ -92,13 +108,7 @@ def train(rows, tmp_path, l3_after_layers, optimizer, max_steps=7, logging_steps
                            data_collator=PackedCollator(tokenizer.bos_token_id, attend_across_documents),
                            callbacks=[*reporters, StepMarks(recorder, trainer_ref), throughput])
     trainer_ref.append(trainer)
-    log_save_evaluate = trainer._maybe_log_save_evaluate
-
-    def outside_recording(*args, **kwargs):
-        recorder.active = False
-        return log_save_evaluate(*args, **kwargs)
-
-    trainer._maybe_log_save_evaluate = outside_recording
+    trainer.add_callback(StepEnd(recorder))
     with recorder:
         trainer.train()
     return trainer, recorder
@@ -157,6 +167,12 @@ def test_the_recorder_sees_the_syncs_transformers_would_make(rows, tmp_path):
         trainer.train()
     names = recorder.device_syncs(1)
     assert names.count("__bool__") >= 1 and names.count("item") >= 1, names
+
+
+def test_auto_find_batch_size_is_refused_while_parsing(tmp_path):
+    # the stream's state and the planned total batch would no longer match what is trained after a halving
+    with pytest.raises(ValueError, match="auto_find_batch_size=True is not supported.*per_device_train_batch_size"):
+        PretrainConfig(output_dir=str(tmp_path), auto_find_batch_size=True, report_to="none")
 
 
 def test_fp8_without_compile_warns_at_start(tmp_path, caplog):

@@ -1,7 +1,9 @@
-"""hfl3.provenance: record hashes, versions, git commit, atomic JSON, safetensors header metadata, model card."""
+"""hfl3.provenance and hfl3.atomic: record hashes, versions, git commit, atomic JSON, safetensors header metadata
+(without rewriting the tensors), model card."""
 
 import hashlib
 import json
+import os
 import struct
 import subprocess
 from pathlib import Path
@@ -13,6 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hfl3 import provenance
+from hfl3.atomic import write_json_atomic
+from hfl3.provenance.safetensors_header import _insert_blocks_at_start
 
 
 def reference_sha256(chunks: list[bytes]) -> str:
@@ -76,7 +80,7 @@ def test_git_commit_inside_and_outside_a_checkout(tmp_path, repo_root):
 
 
 def test_write_json_atomic_converts_values_and_leaves_no_temporary(tmp_path):
-    path = provenance.write_json_atomic(
+    path = write_json_atomic(
         tmp_path / "sub" / "m.json", {"p": Path("/x"), "dtype": torch.float32, "s": {2, 1}, "t": "é"}
     )
     assert json.loads(path.read_text(encoding="utf-8")) == {"p": "/x", "dtype": "torch.float32", "s": [1, 2], "t": "é"}
@@ -94,13 +98,14 @@ def test_build_metadata_has_sections_versions_and_commit():
     json.dumps(meta)
 
 
-def test_add_safetensors_metadata_keeps_tensors_and_merges_header(tmp_path):
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copy"])
+def test_add_safetensors_metadata_keeps_tensors_and_merges_header(tmp_path, in_place):
     file = tmp_path / "w.safetensors"
     tensors = {"a": torch.randn(3, 5), "b": torch.arange(7), "c": torch.randn(2, dtype=torch.bfloat16)}
     save_file(tensors, file, metadata={"format": "pt", "keep": "1"})
-    provenance.add_safetensors_metadata(file, {"hfl3.sha256": "abc", "keep": "2", "ünï": "cödé"})
+    provenance.add_safetensors_metadata(file, {"hfl3.sha256": "abc" * 400, "keep": "2", "ünï": "cödé"}, in_place)
     with safe_open(file, "pt") as f:
-        assert f.metadata() == {"format": "pt", "keep": "2", "hfl3.sha256": "abc", "ünï": "cödé"}
+        assert f.metadata() == {"format": "pt", "keep": "2", "hfl3.sha256": "abc" * 400, "ünï": "cödé"}
     loaded = load_file(file)
     assert loaded.keys() == tensors.keys()
     for name, tensor in tensors.items():
@@ -108,6 +113,38 @@ def test_add_safetensors_metadata_keeps_tensors_and_merges_header(tmp_path):
     (header_size,) = struct.unpack("<Q", file.read_bytes()[:8])
     assert header_size % 8 == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
+
+
+def test_a_grown_header_moves_no_tensor_byte_where_the_file_system_inserts_blocks(tmp_path):
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x" * 8192)
+    with open(probe, "r+b") as f:
+        if not _insert_blocks_at_start(f.fileno(), 1):
+            pytest.skip("the temporary folder's file system cannot insert blocks (FALLOC_FL_INSERT_RANGE)")
+    file = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(1000, 1000)}, file, metadata={"format": "pt"})
+    (old_size,) = struct.unpack("<Q", file.read_bytes()[:8])
+    data, inode = file.read_bytes()[8 + old_size:], file.stat().st_ino
+    provenance.add_safetensors_metadata(file, {"hfl3.data": "d" * 5000})
+    (new_size,) = struct.unpack("<Q", file.read_bytes()[:8])
+    assert new_size > old_size + 5000 and (new_size - old_size) % os.statvfs(tmp_path).f_frsize == 0
+    # the same file, its tensor bytes where the new header ends: remapped, never written
+    assert file.stat().st_ino == inode and file.read_bytes()[8 + new_size:] == data
+    with safe_open(file, "pt") as f:
+        assert f.metadata()["hfl3.data"] == "d" * 5000
+
+
+def test_a_header_that_fits_is_written_over_the_old_one(tmp_path):
+    file = tmp_path / "w.safetensors"
+    weight = torch.randn(4, 4)
+    save_file({"w": weight}, file, metadata={"format": "pt", "note": "x" * 40})
+    before, inode = file.read_bytes(), file.stat().st_ino
+    provenance.add_safetensors_metadata(file, {"note": "short"})
+    after = file.read_bytes()
+    assert file.stat().st_ino == inode and after[:8] == before[:8] and after != before  # same header size
+    assert load_file(file)["w"].equal(weight) and after[-64:] == before[-64:]
+    with safe_open(file, "pt") as f:
+        assert f.metadata() == {"format": "pt", "note": "short"}
 
 
 def test_add_safetensors_metadata_rejects_non_strings_and_non_safetensors(tmp_path):

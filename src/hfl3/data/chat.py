@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hfl3.provenance import atomic_path
+from hfl3.atomic import atomic_path
 
 ROLES = ("system", "user", "assistant")
 MESSAGE_KEYS = frozenset({"role", "content"})

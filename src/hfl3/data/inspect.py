@@ -1,8 +1,8 @@
 """Show which tokens of chat conversations are supervised (like axolotl's `preprocess --debug`).
 
 ```bash
-python -m hfl3.data.inspect --tokenizer ../shared/assets/tokenizers/qwen3 \
-    --data ../shared/assets/chat/gsm8k_messages_train.jsonl --n 3
+python -m hfl3.data.inspect --tokenizer Qwen/Qwen3-0.6B \
+    --data chats.jsonl --n 3
 python -m hfl3.data.inspect --tokenizer outputs/demo --data chats.jsonl --n 2 --plain --max_length 128
 python -m hfl3.data.inspect --tokenizer MODEL_DIR --gguf_file model.Q8_0.gguf --data chats.jsonl  # GGUF's tokenizer
 ```

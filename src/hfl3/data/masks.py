@@ -1,4 +1,4 @@
-"""Assistant-only labels for chat conversations, from the model's own chat template (DESIGN decision 9).
+"""Assistant-only labels for chat conversations, from the model's own chat template (docs/design.md, decision 9).
 
 Masks come from the template without `{% generation %}` markers (`AssistantMasker`):
 

@@ -24,7 +24,6 @@ pieces), the `datasets` shards stream record batches. Each local file is inspect
 import codecs
 import functools
 import glob
-import hashlib
 import logging
 import re
 import sysconfig
@@ -33,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
+
+from hfl3.provenance import sha256_file
 
 from .stdlib import stdlib_files
 
@@ -336,26 +337,36 @@ def _add_datasets(corpus: Corpus, source: "DatasetsSource") -> None:
 
 
 def inspect_file(path: Path, check_text: bool) -> tuple[int, str, str | None]:
-    """`(bytes, sha256, problem)` of a file read once in 1 MiB blocks; `problem` ("not UTF-8 (byte N)", "empty") is
-    checked for text files only, else None."""
-    digest, size, seen_text, problem = hashlib.sha256(), 0, False, None
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    with open(path, "rb") as f:
-        while block := f.read(READ_BYTES):
-            digest.update(block)
-            if check_text and problem is None:
-                try:
-                    text = decoder.decode(block)
-                    text = text.removeprefix("\ufeff") if size == 0 else text  # a byte order mark is not text
-                    seen_text = seen_text or bool(text.strip())
-                except UnicodeDecodeError as error:
-                    problem = f"not UTF-8 (byte {size + error.start})"
-            size += len(block)
-    if check_text and problem is None:
+    """`(bytes, sha256, problem)` of a file read once (`sha256_file` in 1 MiB blocks, the checks seeing each block as it
+    is hashed); `problem` ("not UTF-8 (byte N)", "empty") is checked for text files only, else None."""
+    check = _FileCheck(check_text)
+    sha256 = sha256_file(path, READ_BYTES, on_chunk=check)
+    return check.size, sha256, check.finish()
+
+
+class _FileCheck:
+    """Fed a file's blocks in order: counts its bytes and, for a text file, checks that they are UTF-8 holding more
+    than whitespace."""
+
+    def __init__(self, text: bool):
+        self.text, self.size, self.seen_text, self.problem = text, 0, False, None
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+
+    def __call__(self, block: bytes) -> None:
+        if self.text and self.problem is None:
+            try:
+                text = self.decoder.decode(block)
+                text = text.removeprefix("\ufeff") if self.size == 0 else text  # a byte order mark is not text
+                self.seen_text = self.seen_text or bool(text.strip())
+            except UnicodeDecodeError as error:
+                self.problem = f"not UTF-8 (byte {self.size + error.start})"
+        self.size += len(block)
+
+    def finish(self) -> str | None:
+        if not self.text or self.problem is not None:
+            return self.problem
         try:
-            decoder.decode(b"", final=True)
+            self.decoder.decode(b"", final=True)
         except UnicodeDecodeError:
-            problem = f"not UTF-8 (truncated at byte {size})"
-        if problem is None and not seen_text:
-            problem = "empty"
-    return size, digest.hexdigest(), problem
+            return f"not UTF-8 (truncated at byte {self.size})"
+        return None if self.seen_text else "empty"

@@ -1,4 +1,4 @@
-"""The Python standard library as demo data (DESIGN decision 11), real text on every machine with no download: its
+"""The Python standard library as demo data (docs/design.md, decision 11), real text on every machine with no download: its
 `.py` sources for pretraining (`stdlib_files`), and chats in which the user asks what `module.function(signature)`
 does and the assistant answers with the first paragraph of its docstring (`stdlib_docstring_chats`).
 """
@@ -13,7 +13,7 @@ import re
 import sysconfig
 from pathlib import Path
 
-# Pure-Python, side-effect-free stdlib modules whose public functions carry docstrings (DESIGN decision 11)
+# Pure-Python, side-effect-free stdlib modules whose public functions carry docstrings: importable anywhere, no download
 STDLIB_DOC_MODULES = (
     "base64", "bisect", "calendar", "cmath", "colorsys", "copy", "csv", "dataclasses", "datetime", "difflib",
     "email.utils", "fnmatch", "fractions", "functools", "glob", "gzip", "hashlib", "heapq", "html", "inspect",

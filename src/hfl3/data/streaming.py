@@ -37,7 +37,7 @@ from safetensors.numpy import load_file, save_file
 
 from hfl3.data.packing import BestFitPacker, PackingReport, chunk_text, concatenate_documents, split_concatenated
 from hfl3.data.sources import Corpus
-from hfl3.provenance import atomic_path
+from hfl3.atomic import atomic_path
 
 DATA_STATE_KEY = "data_state"
 STATE_FILE = "data_state_rank{rank}.safetensors"

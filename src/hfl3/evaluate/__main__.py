@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from hfl3.evaluate import evaluate_core, load_core_bundle, resolve_bundle_dir
     from hfl3.evaluate.core import default_max_length
-    from hfl3.provenance import build_metadata, portable, write_json_atomic
+    from hfl3.atomic import write_json_atomic
+    from hfl3.provenance import build_metadata, portable
 
     import torch
 

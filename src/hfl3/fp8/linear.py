@@ -256,7 +256,7 @@ class Float8Linear(nn.Linear):
 
 
 def first_and_last_projections(model: nn.Module) -> tuple[set[str], set[str]]:
-    """Names of the projections kept in high precision for stability (DESIGN.md decision 8).
+    """Names of the projections kept in high precision for stability (docs/design.md, decision 8).
 
     - **last**: the output head, i.e. `model.get_output_embeddings()` when the model has that method and it
       returns an `nn.Linear` (a transformers `lm_head`); otherwise the last `nn.Linear` in `named_modules()` order.

@@ -2,7 +2,8 @@
 one-line construction for the HF Trainer (`create_muon_optimizer`) and its settings, each declared once
 (`GroupLearningRates`, `MuonSettings`)."""
 
-from .groups import create_muon_optimizer, param_groups_by_kind, refuse_unsupported_sharding
+from .groups import create_muon_optimizer, param_groups_by_kind
+from .launch_checks import refuse_unsupported_sharding
 from .muon import MuonAdamW
 from .settings import GroupLearningRates, MuonSettings
 from .update import muon_momentum, normuon_rescale, orthogonalize, weight_decay_factor

@@ -1,19 +1,17 @@
 """Parameter groups by module kind for `MuonAdamW`, and its construction from `TrainingArguments` for the Trainer.
 
 `param_groups_by_kind` sorts parameters by module type and shape, never by name patterns; `create_muon_optimizer`
-is the one-liner for any `transformers.Trainer`; `refuse_unsupported_sharding` stops, before training, the
-DeepSpeed/FSDP setups in which Muon cannot run (ZeRO-1/2/3 and FSDP2 themselves run: `hfl3.optim.sharded`).
+is the one-liner for any `transformers.Trainer` (it first refuses, through `launch_checks`, the DeepSpeed/FSDP setups
+in which Muon cannot run).
 """
 
-import json
 import logging
 import math
-import os
 from dataclasses import fields
-from pathlib import Path
 
 from torch import nn
 
+from .launch_checks import refuse_unsupported_sharding
 from .muon import MuonAdamW
 from .settings import GroupLearningRates, MuonSettings
 
@@ -54,7 +52,7 @@ def param_groups_by_kind(
     betas (0.8, 0.995), weight decay 0.01); here every AdamW group gets the same betas (`create_muon_optimizer`: the
     TrainingArguments') and no weight decay. A parameter's shape is its `ds_shape` when DeepSpeed ZeRO-3 has already
     partitioned it (`zero.Init`: the tensor itself is then empty and 1-D; grouping by that shape would send every
-    matrix to AdamW, DeepSpeed's own Muon bug #8438).
+    matrix to AdamW, DeepSpeed's own Muon bug, deepspeedai/DeepSpeed#8438).
 
     Args:
         model: any `nn.Module`; `get_output_embeddings()` / `get_input_embeddings()` are used when the
@@ -74,23 +72,42 @@ def param_groups_by_kind(
         TypeError: for a key of `changes` that is no LR field.
     """
     rates = GroupLearningRates.of(learning_rates, **changes)
-    output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if hidden_size is None:
-        hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
-        if hidden_size is None and isinstance(input_embeddings, nn.Embedding):
-            hidden_size = input_embeddings.embedding_dim
+    group_of = _group_of_each_parameter(model)
+    group_lrs = rates.learning_rates(_hidden_size(model) if hidden_size is None else hidden_size, batch_lr_scale)
+    by_name: dict[str, list[nn.Parameter]] = {name: [] for name in group_lrs}
+    for param in model.parameters():  # each shared parameter once, in model order
+        if id(param) in group_of:
+            by_name[group_of[id(param)]].append(param)
+    return [
+        {"params": params, "kind": "muon" if name == "matrix" else "adamw", "name": name, "lr": group_lrs[name]}
+        for name, params in by_name.items()
+        if params
+    ]
 
+
+def _hidden_size(model: nn.Module) -> int | None:
+    """`model.config.hidden_size`, else the input embedding's width, else None."""
+    hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+    input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if hidden_size is None and isinstance(input_embeddings, nn.Embedding):
+        hidden_size = input_embeddings.embedding_dim
+    return hidden_size
+
+
+def _group_of_each_parameter(model: nn.Module) -> dict[int, str]:
+    """The group name of every trainable parameter of `model`, keyed by `id(param)`: the heads and L3GPT's special
+    modules first (they hold `nn.Embedding`s and scalars that are not plain embeddings or scalars), then the rest by
+    module type and shape. Raises `ValueError` as `param_groups_by_kind` says."""
     placed: dict[int, str] = {}
 
     def place(param: nn.Parameter | None, name: str) -> None:
         if isinstance(param, nn.Parameter) and param.requires_grad and id(param) not in placed:
             placed[id(param)] = name
 
-    if output_embeddings is not None:
-        place(output_embeddings.weight, "unembedding")
-    if input_embeddings is not None:
-        place(input_embeddings.weight, "embedding")
+    for accessor, name in (("get_output_embeddings", "unembedding"), ("get_input_embeddings", "embedding")):
+        head = getattr(model, accessor, lambda: None)()  # first the output: a tied weight gets the unembedding LR
+        if head is not None:
+            place(head.weight, name)
     for module in model.modules():
         place(getattr(module, "resid_lambdas", None), "residual_scalar")
         place(getattr(module, "backout_lambda", None), "smear")
@@ -120,16 +137,7 @@ def param_groups_by_kind(
                     f"{type(module).__name__} is neither an nn.Linear/nn.Embedding weight nor 0-/1-D; MuonAdamW "
                     "has no rule for it. Freeze it, or build the param groups yourself (kind='adamw')."
                 )
-    group_lrs = rates.learning_rates(hidden_size, batch_lr_scale)
-    by_name: dict[str, list[nn.Parameter]] = {name: [] for name in group_lrs}
-    for param in model.parameters():  # each shared parameter once, in model order
-        if id(param) in placed:
-            by_name[placed[id(param)]].append(param)
-    return [
-        {"params": params, "kind": "muon" if name == "matrix" else "adamw", "name": name, "lr": group_lrs[name]}
-        for name, params in by_name.items()
-        if params
-    ]
+    return placed
 
 
 def create_muon_optimizer(
@@ -208,112 +216,3 @@ def create_muon_optimizer(
         else:
             group.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
     return MuonAdamW(groups, num_training_steps=num_training_steps, compile_update=compile_update)
-
-
-def refuse_unsupported_sharding(args) -> None:
-    """Raise `RuntimeError`, naming the reason and the alternative, for a distributed setup in which `MuonAdamW`
-    would not run as Muon: DeepSpeed with an `optimizer` block in its config (DeepSpeed then builds that optimizer
-    and never calls the Trainer's), ZeRO offload of the optimizer or the parameters, ZeRO stage 0 with bf16/fp16
-    (DeepSpeed's own flattening optimizer), ZeRO++ hpZ / MiCS partitions, elastic ZeRO checkpoints, FSDP1, FSDP2 with
-    CPU offload. One process, DDP, DeepSpeed ZeRO-1/2/3 and FSDP2 pass (`hfl3.optim.sharded` runs the last two).
-
-    Reads accelerate's state (once an `Accelerator` exists, e.g. after `Trainer.__init__`), else the variables that
-    `accelerate launch` sets (`ACCELERATE_USE_DEEPSPEED` and `ACCELERATE_DEEPSPEED_*`, `ACCELERATE_USE_FSDP` and
-    `FSDP_*`) and `args.deepspeed` / `args.fsdp`. `create_muon_optimizer` calls it; a Trainer that picks Muon from a
-    config must call it in `__init__` too, because with an `optimizer` block the Trainer never calls
-    `create_optimizer`.
-    """
-    problems = []
-    deepspeed = _deepspeed_config(args)
-    if deepspeed is not None:
-        zero = deepspeed.get("zero_optimization") or {}
-        if deepspeed.get("optimizer"):
-            problems.append(
-                f"the DeepSpeed config has an 'optimizer' block ({deepspeed['optimizer'].get('type')}): DeepSpeed "
-                "would build that optimizer and never use MuonAdamW. Remove the block; the Trainer then hands "
-                "DeepSpeed MuonAdamW"
-            )
-        for key in ("offload_optimizer", "offload_param"):
-            device = str((zero.get(key) or {}).get("device", "none")).lower()
-            if device != "none":
-                problems.append(
-                    f"ZeRO {key} to {device}: the partitions then live off the accelerator and the optimizer step "
-                    "runs there, which Muon's sharded step does not support. Drop the offload (ZeRO-3 also shards "
-                    "the parameters), or use AdamW with offload"
-                )
-        if int(zero.get("stage", 0)) == 0 and (_enabled(deepspeed, "bf16", args) or _enabled(deepspeed, "fp16", args)):
-            problems.append(
-                "ZeRO stage 0 with bf16/fp16: DeepSpeed's mixed-precision optimizer flattens the groups in a layout "
-                "MuonAdamW does not map. Use ZeRO-1/2 (accelerate_configs/zero2.yaml) or DDP (multi_gpu.yaml)"
-            )
-        if int(zero.get("zero_hpz_partition_size", 1)) > 1 or int(zero.get("mics_shard_size", -1)) > 0:
-            problems.append("ZeRO++ hpZ / MiCS partitions: not supported by Muon's sharded step. Use plain ZeRO-3")
-        if zero.get("elastic_checkpoint"):
-            problems.append("elastic ZeRO checkpoints: Muon's sharded second moments are saved per rank (rigid). "
-                            "Set zero_optimization.elastic_checkpoint to false")
-    fsdp_version, fsdp_offload = _fsdp_setup(args)
-    if fsdp_version == 1:
-        problems.append("FSDP1: its FlatParameters hand the optimizer flattened pieces of several matrices. Use FSDP2 "
-                        "(accelerate_configs/fsdp2.yaml, fsdp_version: 2)")
-    if fsdp_version == 2 and fsdp_offload:
-        problems.append("FSDP2 with CPU offload: the optimizer step then runs on CPU shards, which Muon's sharded "
-                        "step does not support. Drop fsdp_offload_params, or use AdamW with offload")
-    if problems:
-        raise RuntimeError("MuonAdamW cannot run under this setup: " + "; ".join(problems) + ".")
-
-
-def _deepspeed_config(args) -> dict | None:
-    """The DeepSpeed config in use (values may still be "auto"), {} when DeepSpeed runs with an unknown config, None
-    without DeepSpeed."""
-    from accelerate.state import AcceleratorState, DistributedType
-
-    plugins = AcceleratorState._shared_state.get("deepspeed_plugins")  # one plugin, or a dict of named ones
-    if isinstance(plugins, dict) and plugins:
-        plugins = next((p for p in plugins.values() if getattr(p, "selected", False)), next(iter(plugins.values())))
-    if plugins is not None:
-        return plugins.deepspeed_config
-    if getattr(args, "hf_deepspeed_config", None) is not None:
-        return args.hf_deepspeed_config.config
-    source = getattr(args, "deepspeed", None)
-    from_env = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if not source and from_env:
-        source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-        if source == "none":
-            prefix = "ACCELERATE_DEEPSPEED_"
-            return {"zero_optimization": {
-                "stage": int(os.environ.get(prefix + "ZERO_STAGE", 2)),
-                "offload_optimizer": {"device": os.environ.get(prefix + "OFFLOAD_OPTIMIZER_DEVICE", "none")},
-                "offload_param": {"device": os.environ.get(prefix + "OFFLOAD_PARAM_DEVICE", "none")},
-            }}
-    if isinstance(source, dict):
-        return source
-    if source:
-        return json.loads(Path(source).read_text()) if Path(source).is_file() else {}
-    return {} if AcceleratorState._shared_state.get("distributed_type") == DistributedType.DEEPSPEED else None
-
-
-def _enabled(deepspeed: dict, precision: str, args) -> bool:
-    value = (deepspeed.get(precision) or {}).get("enabled", False)
-    return bool(getattr(args, precision, False)) if value == "auto" else bool(value)
-
-
-def _fsdp_setup(args) -> tuple[int | None, bool]:
-    """(FSDP version or None without FSDP, CPU offload)."""
-    from accelerate.state import AcceleratorState, DistributedType
-
-    plugin = AcceleratorState._shared_state.get("fsdp_plugin")
-    if plugin is not None:
-        offload = plugin.cpu_offload
-        return plugin.fsdp_version, type(offload).__name__ == "CPUOffloadPolicy" or bool(
-            getattr(offload, "offload_params", False))
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        return (int(os.environ.get("FSDP_VERSION", "1")),
-                os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() in ("true", "1", "yes"))
-    fsdp = getattr(args, "fsdp", None)
-    if fsdp:
-        config = getattr(args, "fsdp_config", None) or {}
-        options = fsdp if isinstance(fsdp, list | tuple) else str(fsdp).split()
-        return int(config.get("version", config.get("fsdp_version", 1))), "offload" in [str(o) for o in options]
-    if AcceleratorState._shared_state.get("distributed_type") == DistributedType.FSDP:
-        return int(os.environ.get("FSDP_VERSION", "1")), False
-    return None, False

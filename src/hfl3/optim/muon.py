@@ -1,6 +1,6 @@
 """MuonAdamW: Muon for hidden matrices and AdamW for everything else, in one `torch.optim.Optimizer`.
 
-One optimizer (DESIGN.md decision 7) so that the HF Trainer's LR scheduler, checkpointing and logging
+One optimizer (docs/design.md, decision 7) so that the HF Trainer's LR scheduler, checkpointing and logging
 see a single object. Each param group carries a `kind`: `"muon"` or `"adamw"`, and a `name` saying
 which part of the model it holds (`matrix`, `embedding`, `l3_table`, `value_embedding`, `unembedding`,
 `scalar`, `residual_scalar`, `smear`).
@@ -18,7 +18,7 @@ Muon (https://kellerjordan.github.io/posts/muon/) on a 2-D weight `W` of shape `
 Everything else is AdamW through torch's own `torch.optim.adamw.adamw`: `fused=True` on accelerators,
 `foreach=True` on the CPU (bit-identical to `torch.optim.AdamW` there).
 
-Speed (issue 12; nanochat/optim.py does the same): the matrices of a Muon group are split into *stacks* of
+Speed (a per-matrix step was launch-bound on a GPU: 38 ms at d12, dev/LOG.md 2026-11-23; nanochat/optim.py stacks the same way): the matrices of a Muon group are split into *stacks* of
 same-shape (and dtype, device) matrices, and the whole update of a stack runs on `(k, rows, cols)` tensors with
 batched matmuls (`muon_update`), so a step launches kernels per distinct shape, not per matrix: at d12 with an
 L3 layer the 74 matrices are 4 stacks. With `compile_update` (default: on CUDA) the stack update is one
@@ -31,7 +31,7 @@ weights and gradients of the stack being updated are copied into `(k, rows, cols
 State: `optimizer.state[p]` holds per-parameter tensors, as torch's optimizers do — Muon's `momentum_buffer`
 `(rows, cols)` and `second_moment` `(rows, 1)` or `(1, cols)` (fp32), AdamW's `step`, `exp_avg`, `exp_avg_sq` —
 so `state_dict()` has the format every `torch.optim` consumer expects and checkpoints of the per-parameter
-implementation (before issue 12) load unchanged. The Muon tensors are views into one stacked buffer per stack,
+implementation (before same-shape stacks, commit 0d37b51) load unchanged. The Muon tensors are views into one stacked buffer per stack,
 allocated at the first step (on the parameters' device, after the Trainer moved the model). `torch.save`
 writes each stacked buffer once; `load_state_dict` copies the loaded values into fresh stacks (keeping
 `second_moment` in fp32, which torch's loader would cast to a bf16 parameter's dtype), so a resume continues

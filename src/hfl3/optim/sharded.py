@@ -1,4 +1,4 @@
-"""Muon on sharded parameters (issue 16): DeepSpeed ZeRO-1/2/3 flat partitions and FSDP2 DTensor shards, with each
+"""Muon on sharded parameters: DeepSpeed ZeRO-1/2/3 flat partitions and FSDP2 DTensor shards, with each
 matrix still orthogonalised whole and the optimizer state still sharded.
 
 Under DeepSpeed ZeRO the client optimizer steps one flat fp32 master partition per param group (ZeRO-1/2: a

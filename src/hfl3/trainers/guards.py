@@ -3,12 +3,12 @@ the tokenizer-fits-the-model check of SFT (`check_vocabulary_fits`), the non-fin
 training run (`NonFiniteGuard`, a `Trainer` mixin) and the one-line error that ends a launched recipe
 (`exit_on_training_error`).
 
-The NaN/inf guard costs no device→host synchronisation per step (issue 12 keeps the pretraining step free of them):
-each step compares the loss and the gradient norm with `torch.isfinite` on the device and keeps the first bad step
-number in a device tensor (`masked_fill_` with a Python int: no copy, no sync). The flags are read only where the
-Trainer synchronises anyway (when it logs, evaluates, saves or stops, `_maybe_log_save_evaluate`), and before a save
-the parameters are checked too, so no checkpoint holds a non-finite tensor and the last good checkpoint stays the
-newest one.
+The NaN/inf guard costs no device→host synchronisation per step (the pretraining step is kept free of them, decision
+12 of docs/design.md): each step compares the loss and the gradient norm with `torch.isfinite` on the device and keeps
+the first bad step number in a device tensor (`masked_fill_` with a Python int: no copy, no sync). The flags are read
+only where the Trainer synchronises anyway (when it logs, evaluates, saves or stops: `BeforeLogSaveEvaluate`), and
+before a save the parameters are checked too, so no checkpoint holds a non-finite tensor and the last good checkpoint
+stays the newest one.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from collections.abc import Iterator
 
 import torch
 from transformers.trainer_utils import get_last_checkpoint
+
+from hfl3.callbacks import BeforeLogSaveEvaluate
 
 from .launch import LaunchError
 
@@ -102,14 +104,23 @@ class NonFiniteGuard:
     the first non-finite loss or gradient norm with `NonFiniteTrainingError` naming the step, before anything from
     that step on is logged or saved (module docstring: how, without a per-step device sync).
 
-    The loss is the one `training_step` returns (every micro-batch); the gradient norm is the pre-clipping norm that
-    transformers 5.23 computes at every optimizer step (`_get_grad_norm`, also with `max_grad_norm=0`; a Python
-    float under DeepSpeed). The error is raised at the first log, evaluation, save or end of training after the bad
-    step, on every process at once (the flags are gathered: the Trainer reaches `_maybe_log_save_evaluate` at the
-    same steps on every process).
+    The loss is the one `training_step` returns (every micro-batch). The gradient norm is the pre-clipping norm that
+    transformers 5.23 computes at every optimizer step (also with `max_grad_norm=0`; a Python float under DeepSpeed)
+    and hands to no public hook (callbacks see it only in the logs, as a host float): `_get_grad_norm` stays
+    overridden to read it, its signature pinned by `tests/test_trainer_hooks.py`. The flags are read, and the error
+    raised, by a `BeforeLogSaveEvaluate` callback at the first log, evaluation, save or end of training after the bad
+    step, on every process at once (they are gathered); they are cleared when `train()` starts.
     """
 
     _nonfinite_first: dict[str, torch.Tensor] | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_callback(BeforeLogSaveEvaluate(lambda control: self.check_finite(parameters=control.should_save),
+                                                at_train_begin=self._clear_nonfinite))
+
+    def _clear_nonfinite(self) -> None:
+        self._nonfinite_first = None  # a new run (or a resumed one) starts clean
 
     def _nonfinite_slot(self, name: str, device: torch.device) -> torch.Tensor:
         if self._nonfinite_first is None:
@@ -132,10 +143,6 @@ class NonFiniteGuard:
             first = self._nonfinite_slot(name, self.args.device)
             first.masked_fill_(first < 0, step)
 
-    def train(self, *args, **kwargs):
-        self._nonfinite_first = None  # a new run (or a resumed one) starts clean
-        return super().train(*args, **kwargs)
-
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._record_nonfinite("loss", loss)
@@ -145,12 +152,6 @@ class NonFiniteGuard:
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         self._record_nonfinite("gradient norm", grad_norm)
         return grad_norm
-
-    def _maybe_log_save_evaluate(self, *args, **kwargs):
-        control = self.control
-        if control.should_log or control.should_save or control.should_evaluate or control.should_training_stop:
-            self.check_finite(parameters=control.should_save)
-        return super()._maybe_log_save_evaluate(*args, **kwargs)
 
     def check_finite(self, parameters: bool = False) -> None:
         """Read the flags (one device sync; a gather across processes when distributed) and raise if a loss or a

@@ -5,11 +5,12 @@
   given, and a push that could not happen; resolves `latest`/`true` to the newest complete checkpoint
   (`latest_checkpoint`); finishes a final folder whose commit was interrupted. Nothing in `output_dir` is touched
   before training.
-- `OutputFolderMixin` (a Trainer mixin, with `hfl3.provenance.ProvenanceMixin`): every checkpoint is written to
-  `output_dir/_hfl3_staging/checkpoints/checkpoint-N` and renamed to `output_dir/checkpoint-N` once complete, with
-  `hfl3_run.json` (the run's fingerprint and its loss and time so far); a resume refuses a checkpoint of another
-  model config, tokenizer or data, naming the difference, and reports `train_loss` and throughput over the whole
-  run; `finish_output()` stages the final folder and commits it; `push_output()` uploads it.
+- `OutputFolderMixin` (a Trainer mixin): every checkpoint is written to `output_dir/_hfl3_staging/checkpoints/
+  checkpoint-N` and renamed to `output_dir/checkpoint-N` once complete, with `hfl3_run.json` (the run's fingerprint
+  and its loss and time so far); every saved folder is stamped with the run's provenance (`hfl3.provenance`); a resume
+  refuses a checkpoint of another model config, tokenizer or data, naming the difference, and reports `train_loss`
+  and throughput over the whole run; `finish_output()` stages the final folder and commits it; `push_output()`
+  uploads it. `L3GPTOutputs` and `SFTOutputs` add their model's card (`hfl3.trainers.cards`).
 - An adapter's base model (`SFTOutputs`): the local `adapter_config.json` names a local base by its absolute path,
   the only local path in any output, because PEFT resolves `base_model_name_or_path` against the working directory;
   what is pushed names the base's Hub id (`base_model_hub_id`).
@@ -31,12 +32,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from huggingface_hub import constants as hub_constants
-from transformers.trainer_pt_utils import nested_gather
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, speed_metrics
 
-from hfl3.evaluate.core import core_eval_results
-from hfl3.provenance import ProvenanceMixin, portable, sha256_records, write_json_atomic
+from hfl3.atomic import write_json_atomic
+from hfl3.provenance import portable, push_folder_to_hub, sha256_records, stamp_folder
+from hfl3.trainers.cards import l3gpt_model_card, sft_model_card, usage_name
 from hfl3.trainers.inputs import is_hub_id
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ COMPLETE = ".complete"
 LATEST = ("latest", "true", "True", "1")
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _WEIGHTS = re.compile(r".*\.(safetensors|bin|pt)$|.*\.index\.json$")
+_NO_TOTALS = {"train_loss_sum": 0.0, "train_runtime": 0.0, "global_step": 0}
 
 
 def work_dir(output_dir: str | os.PathLike) -> Path:
@@ -227,13 +230,28 @@ def _differences(saved: Mapping, current: Mapping, prefix: str = "") -> list[str
     return out
 
 
-class OutputFolderMixin(ProvenanceMixin):
-    """Trainer mixin (first in the bases) for crash-safe output folders; see the module docstring.
+class OutputFolderMixin:
+    """Trainer mixin (before `Trainer`/`SFTTrainer` in the bases) for crash-safe output folders that carry their
+    provenance; see the module docstring.
+
+    Public hooks only, but one: `train` (resolves `latest`, refuses another run's checkpoint), `training_step` and
+    `log` (the run's loss, reported over the whole run after a resume), `get_batch_samples` (a finished run trains
+    nothing more), `save_model` (no `training_args.bin`; `metadata.json`, safetensors header and model card when
+    `provenance` is set), `create_model_card`, `save_metrics`, `save_state`. `_save_checkpoint` stays overridden:
+    the staged write and the rename that completes it must wrap the Trainer's whole checkpoint, which no public hook
+    does (`on_save` runs after it; `tests/test_trainer_hooks.py` pins its signature).
 
     `TrainingArguments.push_to_hub` is taken over at construction: the Trainer would otherwise upload unfinished
     checkpoint folders and re-save the model into `output_dir`; `push_output()` uploads the committed folder with
     the same `hub_model_id`, `hub_private_repo`, `hub_token` and `hub_revision`.
+
+    Attributes:
+        provenance: a `build_metadata` dict stamped into every saved folder, or None (nothing stamped).
+        run_totals: the resumed checkpoint's `{"train_loss_sum", "train_runtime", "global_step"}`, zeros when the
+            run started from scratch.
     """
+
+    provenance: dict | None = None
 
     def __init__(self, *args, **kwargs):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -242,8 +260,10 @@ class OutputFolderMixin(ProvenanceMixin):
             training_args.push_to_hub = False
         super().__init__(*args, **kwargs)
         self.final_output_dir = self.args.output_dir
-        self.run_totals = {"train_loss_sum": 0.0, "train_runtime": 0.0, "global_step": 0}
+        self.run_totals = dict(_NO_TOTALS)
         self._train_started = time.time()
+        self._stale_checkpoints: list[Path] = []
+        self._run_loss = _LossTally()
 
     # ---- fingerprint and resume ----
 
@@ -290,64 +310,78 @@ class OutputFolderMixin(ProvenanceMixin):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`, resuming from `latest`/`True` = the newest complete checkpoint (`latest_checkpoint`),
-        after `check_checkpoint`."""
-        resume_from_checkpoint = resolve_checkpoint(self.args.output_dir, resume_from_checkpoint)
-        if resume_from_checkpoint:
-            self.check_checkpoint(resume_from_checkpoint)
-        self._stale_checkpoints = [] if resume_from_checkpoint else [
+        after `check_checkpoint`; the resolved folder (or None) is `self.resume_checkpoint` while it runs. After a
+        resume, `train_loss` and the throughput cover the whole run (`log`)."""
+        checkpoint = resolve_checkpoint(self.args.output_dir, resume_from_checkpoint)
+        self.run_totals = dict(_NO_TOTALS)
+        if checkpoint:
+            self.check_checkpoint(checkpoint)
+        self.resume_checkpoint = checkpoint
+        self._stale_checkpoints = [] if checkpoint else [
             p for p in Path(self.args.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*") if _CHECKPOINT.match(p.name)]
         self._train_started = time.time()
-        return super().train(resume_from_checkpoint or None, *args, **kwargs)
+        self._run_loss = _LossTally()
+        output = super().train(checkpoint or None, *args, **kwargs)
+        return output._replace(training_loss=output.metrics["train_loss"]) if self.run_totals["global_step"] else output
 
-    def _run_epoch(self, *args, **kwargs):
-        # transformers 5.23, resuming a finished run whose dataset has no length (a stream: num_train_epochs is then
-        # unbounded) runs one step past max_steps before it stops; a resume from the last checkpoint trains nothing
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._run_loss.add(loss, self.state.global_step)
+        return loss
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """The Trainer's batches for the next optimizer step; none once `max_steps` is reached. transformers 5.23,
+        resuming a finished run whose dataset has no length (a stream: the epochs are then unbounded), would train
+        one step past `max_steps`; with no batch its loop stops before a step."""
         if 0 < self.state.max_steps <= self.state.global_step:
+            logger.info("step %d of max_steps %d: nothing left to train", self.state.global_step, self.state.max_steps)
             self.control.should_training_stop = True
-            return None
-        return super()._run_epoch(*args, **kwargs)
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
 
-    def _finalize_training(self, trial, num_train_samples, start_time):
-        # Whole-run train_loss and throughput after a resume (transformers reports the resumed steps only)
-        if self.run_totals["global_step"]:
-            self._total_loss_scalar += self.run_totals["train_loss_sum"]
-            self._initial_global_step = 0
-            start_time -= self.run_totals["train_runtime"]
-        return super()._finalize_training(trial, num_train_samples, start_time)
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """`Trainer.log`, keeping the run's loss sum (a training log's `loss` is the mean over the steps since the
+        last one) and, after a resume, turning the end-of-training `train_loss` and throughput (transformers reports
+        the steps of this `train()` call) into whole-run figures, with the checkpoint's `run_totals`."""
+        if "loss" in logs:
+            self._run_loss.logged(logs["loss"], self.state.global_step)
+        if "train_loss" in logs and self.run_totals["global_step"]:
+            steps, resumed = self.state.global_step, self.run_totals["global_step"]
+            logs["train_loss"] = (self.run_totals["train_loss_sum"] + logs["train_loss"] * (steps - resumed)) / steps
+            runtime = logs["train_runtime"] + self.run_totals["train_runtime"]
+            logs.update(speed_metrics("train", time.time() - runtime, num_steps=steps,
+                                      num_samples=self.get_total_train_batch_size(self.args) * steps))
+        super().log(logs, start_time)
 
     # ---- checkpoints ----
 
     def _save_checkpoint(self, model, trial):
-        """The Trainer's checkpoint, written into the staging folder and renamed to `checkpoint-N` when complete
-        (every process has written its files); then the old checkpoints rotate as usual."""
-        run_dir = Path(self._get_output_dir(trial))
+        """The Trainer's checkpoint, written into the staging folder (`args.output_dir` points there meanwhile) and
+        renamed to `checkpoint-N` when complete (every process has written its files, `save_resume_state`
+        included); then the old checkpoints rotate as usual."""
+        run_dir = Path(self.args.output_dir)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging = run_dir / STAGING / "checkpoints"
         staged, final = staging / name, run_dir / name
         if self.args.should_save and staged.exists():
             shutil.rmtree(staged)
         self.accelerator.wait_for_everyone()
-        undrained = nested_gather(self._tr_loss.detach(), self.args.parallel_mode).mean().item()  # as logged
-        self._get_output_dir = lambda trial=None: str(staging)
-        try:
+        with self._output_dir(staging):
             super()._save_checkpoint(model, trial)
-        finally:
-            del self._get_output_dir
         staged_best = self.state.best_model_checkpoint and Path(self.state.best_model_checkpoint) == staged
         if staged_best:  # on every process: under DeepSpeed all of them load the best checkpoint at the end
             self.state.best_model_checkpoint = str(final)
-        if self.args.should_save:
-            if staged_best:
-                self.state.save_to_json(str(staged / "trainer_state.json"))
-            totals = {"train_loss_sum": self.run_totals["train_loss_sum"] + self._total_loss_scalar + undrained,
-                      "train_runtime": self.run_totals["train_runtime"] + time.time() - self._train_started,
-                      "global_step": self.state.global_step}
-            write_json_atomic(staged / RUN_STATE, {"fingerprint": self.run_fingerprint(), "totals": totals})
+        if self.args.should_save and staged_best:
+            self.state.save_to_json(str(staged / "trainer_state.json"))
+        self.save_resume_state(staged)
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             if final.exists():
                 shutil.rmtree(final)
             staged.rename(final)
+            for entry in staging.iterdir():  # what the Trainer wrote beside the checkpoint (TRL's card) goes on
+                if not _CHECKPOINT.match(entry.name):
+                    entry.replace(run_dir / entry.name)
             for empty in (staging, staging.parent):  # leave no staging folder behind once nothing is staged
                 with contextlib.suppress(OSError):
                     empty.rmdir()
@@ -358,7 +392,50 @@ class OutputFolderMixin(ProvenanceMixin):
             rotate_checkpoints(str(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint,
                                use_mtime=False)
 
-    # ---- the final folder ----
+    def save_resume_state(self, folder: Path) -> None:
+        """What a resume needs beyond the Trainer's own checkpoint, written on every process into the staged
+        checkpoint `folder` before the rename that completes it: `hfl3_run.json` (the run's fingerprint, and its loss
+        sum, seconds and steps so far). Subclasses add their own state (`L3GPTTrainer`: the data stream's)."""
+        undrained = self._run_loss.undrained(self.accelerator)  # a collective: every process is here
+        if self.args.should_save:
+            totals = {"train_loss_sum": self.run_totals["train_loss_sum"] + self._run_loss.logged_sum + undrained,
+                      "train_runtime": self.run_totals["train_runtime"] + time.time() - self._train_started,
+                      "global_step": self.state.global_step}
+            write_json_atomic(folder / RUN_STATE, {"fingerprint": self.run_fingerprint(), "totals": totals})
+
+    # ---- saved folders ----
+
+    @contextlib.contextmanager
+    def _output_dir(self, folder: str | os.PathLike) -> Iterator[None]:
+        """`args.output_dir` is `folder` inside the block: the Trainer writes a checkpoint or the final folder there."""
+        previous, self.args.output_dir = self.args.output_dir, str(folder)
+        try:
+            yield
+        finally:
+            self.args.output_dir = previous
+
+    def model_card(self, metadata: Mapping[str, Any]) -> dict:
+        """Keyword arguments of `write_model_card` besides the folder and metadata; subclasses describe their model."""
+        return {"title": Path(self.final_output_dir).name, "tags": ("hfl3",)}
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model` (every checkpoint and the final folder), then, on the saving process: the pickled
+        `training_args.bin` removed (it would carry `hub_token`; `metadata.json` holds the arguments) and, when
+        `provenance` is set, the folder stamped (`stamp_folder`: `metadata.json`, the safetensors header, the card
+        of `model_card(provenance)`)."""
+        super().save_model(output_dir, _internal_call)
+        folder = Path(output_dir if output_dir is not None else self.args.output_dir)
+        if self.args.should_save:
+            (folder / "training_args.bin").unlink(missing_ok=True)
+            if self.provenance is not None:
+                stamp_folder(folder, self.provenance, self.model_card(self.provenance))
+
+    def create_model_card(self, *args, **kwargs):
+        """The Trainer's card when there is no `provenance`; else nothing here: the card travels with the saved
+        weights (`save_model`), and TRL calls this into `output_dir` before every checkpoint."""
+        if self.provenance is None:
+            return super().create_model_card(*args, **kwargs)
+        return None
 
     @contextlib.contextmanager
     def finish_output(self) -> Iterator[Path]:
@@ -372,11 +449,8 @@ class OutputFolderMixin(ProvenanceMixin):
             shutil.rmtree(staged, ignore_errors=True)
             staged.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
-        self.args.output_dir = str(staged)
-        try:
+        with self._output_dir(staged):
             yield staged
-        finally:
-            self.args.output_dir = str(final)
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             commit_folder(staged, final)
@@ -405,8 +479,6 @@ class OutputFolderMixin(ProvenanceMixin):
         hard-linked there), which is removed afterwards. Returns the commit URL, or None when nothing was pushed."""
         if not (self.push_at_end and self.is_world_process_zero()):
             return None
-        from hfl3.provenance import push_folder_to_hub
-
         source = Path(self.final_output_dir) / (folder or "")
         replaced = self.hub_files(source)
         upload = Path(self.final_output_dir) / STAGING / "upload"
@@ -427,6 +499,32 @@ class OutputFolderMixin(ProvenanceMixin):
                     upload.parent.rmdir()
 
 
+class _LossTally:
+    """The training loss of one `train()` call as the Trainer reports it, kept without its private accumulators:
+    `logged_sum`, the sum of the per-step losses already logged (a log's `loss` times the steps it averages), and on
+    the device the micro-batch losses since the last log (no host sync per step)."""
+
+    def __init__(self):
+        self.logged_sum, self.since_log, self.last_logged_step = 0.0, None, None
+
+    def add(self, loss: torch.Tensor, step: int) -> None:
+        if self.since_log is None:
+            self.since_log, self.last_logged_step = torch.zeros((), device=loss.device), step
+        self.since_log += loss.detach()
+
+    def logged(self, mean_loss: float, step: int) -> None:
+        if self.since_log is not None:
+            self.logged_sum += mean_loss * (step - self.last_logged_step)
+            self.last_logged_step = step
+            self.since_log.zero_()
+
+    def undrained(self, accelerator) -> float:
+        """The not yet logged part, averaged over processes as the Trainer's next log will (a collective)."""
+        if self.since_log is None:
+            return 0.0
+        return accelerator.gather(self.since_log[None]).mean().item()
+
+
 def _link_or_copy(source: str, target: str) -> None:
     try:
         os.link(source, target)  # the weights are not copied
@@ -434,35 +532,11 @@ def _link_or_copy(source: str, target: str) -> None:
         shutil.copy2(source, target)
 
 
-def usage_name(trainer: OutputFolderMixin, folder: str | os.PathLike | None = None) -> str:
-    """The name a card's snippet loads the output by: `hub_model_id` when the run pushes, else the output folder (or
-    `folder`) as a path relative to the working directory (`portable`)."""
-    if trainer.push_at_end:
-        return trainer.args.hub_model_id
-    return portable(str(Path(folder if folder is not None else trainer.final_output_dir)))
-
-
 class L3GPTOutputs(OutputFolderMixin):
     """`OutputFolderMixin` with the pretrained L3GPT's model card."""
 
     def model_card(self, metadata: Mapping[str, Any]) -> dict:
-        results = metadata.get("results") or {}
-        bpb = results.get("eval_bpb")
-        start = results.get("initial_eval_bpb")
-        core = (metadata.get("evaluation") or {}).get("core")
-        text = (f"L3GPT pretrained with hfl3 on `{portable(str(metadata.get('data', {}).get('source')))}`"
-                + (f": validation bpb {bpb:.4f}" if bpb is not None else "")
-                + (f" (from {start:.4f} at step 0)" if start is not None else "")
-                + (f"; CORE {core['core_metric']:.4f} over {len(core['results'])} tasks" if core else "") + ".\n\n"
-                f"```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-                f"model = AutoModelForCausalLM.from_pretrained({usage_name(self)!r}, trust_remote_code=True)  "
-                f"# or `import hfl3` first\n"
-                "# AutoTokenizer reads config.json, whose auto_map names remote code: say so, or it asks [y/N]\n"
-                f"tokenizer = AutoTokenizer.from_pretrained({usage_name(self)!r}, trust_remote_code=True)\n```")
-        card = {"title": "L3GPT (hfl3)", "extra_markdown": text, "tags": ("hfl3", "l3gpt")}
-        if core:  # the model-index of the Hub's evaluation results
-            card.update(eval_results=core_eval_results(core), model_name=Path(usage_name(self)).name)
-        return card
+        return l3gpt_model_card(metadata, usage_name(self))
 
 
 class SFTOutputs(OutputFolderMixin):
@@ -471,8 +545,8 @@ class SFTOutputs(OutputFolderMixin):
     copy pushed to the Hub the base's Hub id (`hub_files`). The Hub id comes from `provenance["base_model"]["hub_id"]`
     (the recipe's `--base_model_hub_id`, or `base_model_hub_id`)."""
 
-    def _save(self, output_dir: str | None = None, state_dict=None):
-        super()._save(output_dir, state_dict)
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
         config = Path(output_dir if output_dir is not None else self.args.output_dir) / "adapter_config.json"
         if self.args.should_save and config.is_file():
             values = json.loads(config.read_text())
@@ -503,33 +577,3 @@ class SFTOutputs(OutputFolderMixin):
 
     def model_card(self, metadata: Mapping[str, Any]) -> dict:
         return sft_model_card(metadata, usage_name(self), adapter=True)
-
-
-def sft_model_card(metadata: Mapping[str, Any], name: str, adapter: bool) -> dict:
-    """`write_model_card` arguments for an SFT output loaded as `name` (a Hub id, or a folder relative to the working
-    directory): the snippet that loads it, the results. The base is named by its Hub id when known
-    (`metadata["base_model"]["hub_id"]`), else as the local folder it was."""
-    base = metadata.get("base_model") or {}
-    hub_id = base.get("hub_id")
-    shown = hub_id or portable(str(base.get("name_or_path")))
-    register = ("import hfl3  # registers L3GPT; without hfl3 pass trust_remote_code=True to from_pretrained\n"
-                if base.get("model_type") == "l3gpt" else "")
-    if adapter:
-        usage = (f"LoRA adapter of `{shown}`{'' if hub_id else ' (a local folder)'}, trained with hfl3's "
-                 f"`recipes/sft_lora.py` (loss on assistant tokens only).\n\n```python\n{register}"
-                 f"from peft import AutoPeftModelForCausalLM\n"
-                 f"model = AutoPeftModelForCausalLM.from_pretrained({name!r})\n```")
-        if not hub_id:
-            usage += ("\n\n`adapter_config.json` names the base folder by its absolute path (PEFT resolves a relative "
-                      "one against the working directory), so the adapter loads from any working directory on this "
-                      "machine; if the base folder moves, update `base_model_name_or_path` there.")
-    else:
-        usage = (f"Full model: `{shown}` with the LoRA adapter merged in, trained with hfl3's `recipes/sft_lora.py`."
-                 f"\n\n```python\n{register}from transformers import AutoModelForCausalLM\n"
-                 f"model = AutoModelForCausalLM.from_pretrained({name!r})\n```")
-    results = metadata.get("results")
-    if results:
-        usage += "\n\n## Results\n\n" + "\n".join(f"- {k}: {v}" for k, v in sorted(results.items()))
-    return {"title": f"{Path(name).name} (LoRA SFT of {Path(shown).name if not hub_id else hub_id})",
-            "extra_markdown": usage, "library_name": "peft" if adapter else "transformers",
-            "tags": ("hfl3", "sft", "lora", "trl"), "base_model": hub_id}

@@ -13,14 +13,14 @@ from transformers import EvalPrediction, Trainer, TrainingArguments
 from transformers.trainer_utils import speed_metrics
 
 from hfl3 import fp8
-from hfl3.callbacks import ThroughputCallback
+from hfl3.callbacks import BeforeLogSaveEvaluate, ThroughputCallback
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DATA_STATE_KEY, PackedStream, StreamBatch, StreamProgress, stream_dataloader
 from hfl3.optim.settings import GroupLearningRates
 from hfl3.trainers.compute_optimal import derive_gradient_accumulation_steps
 from hfl3.evaluate.callback import check_core_arguments
 from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
-from hfl3.trainers.outputs import L3GPTOutputs, resolve_checkpoint
+from hfl3.trainers.outputs import L3GPTOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +131,17 @@ class PretrainConfig(GroupLearningRates, TrainingArguments):
                                                            "state; skipping batches would re-read the stream"})
 
     def __post_init__(self):
-        check_training_arguments(self)  # issue 15: refuse a zero/negative learning rate or max_steps 0
+        check_training_arguments(self)  # a zero/negative learning rate or max_steps 0 trains nothing
         check_core_arguments(self)
         if self.fp8 not in (None, "tensorwise", "rowwise"):
             raise ValueError(f"fp8={self.fp8!r}; expected tensorwise, rowwise or unset")
         if not 0 <= self.warmdown_ratio <= 1:
             raise ValueError(f"warmdown_ratio={self.warmdown_ratio} must be in [0, 1]")
+        if self.auto_find_batch_size:
+            # Halving the batch after an out-of-memory error would change the total batch the run was planned with
+            # and restart the data stream from a state that no longer matches what was trained
+            raise ValueError("auto_find_batch_size=True is not supported by the pretraining recipe; set a smaller "
+                             "--per_device_train_batch_size (gradient accumulation keeps --total_batch_size)")
         for name in ("target_param_data_ratio", "target_flops"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive (leave it out to use the next rule: "
@@ -258,16 +263,21 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
     states, chained sha256 of the rows), which every checkpoint saves (`data_state_rank{R}.safetensors`) and
     `train(resume_from_checkpoint=...)` restores, so a resumed run consumes exactly the rows an uninterrupted run
     would have. Output folders and checkpoints as `hfl3.trainers.outputs.L3GPTOutputs` makes them (staged, renamed
-    when complete, resume from `latest`, provenance on every save)."""
+    when complete, resume from `latest`, provenance on every save).
+
+    Private Trainer hook: `_track_num_input_tokens` (see its docstring; signature pinned by
+    `tests/test_trainer_hooks.py`); the rest are public (`get_train_dataloader`, `get_batch_samples`,
+    `create_optimizer`, `create_scheduler`, `log`, `evaluate`) or `OutputFolderMixin`'s."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._pending_input_tokens = 0
+        self.add_callback(BeforeLogSaveEvaluate(lambda control: self._count_pending_input_tokens()))
         # ThroughputCallback writes tok_per_sec and mfu into the logs in its on_log; the Trainer puts the reporting
         # integrations (W&B, TensorBoard, ...) before the callbacks passed in, and they would report without them
         handler = self.callback_handler
         first = [callback for callback in handler.callbacks if isinstance(callback, ThroughputCallback)]
         handler.callbacks = first + [callback for callback in handler.callbacks if callback not in first]
-        self._pending_input_tokens = 0
         self.data_progress: StreamProgress | None = None
         if isinstance(self.train_dataset, PackedStream) and not self.args.ignore_data_skip:
             raise ValueError("a streamed train_dataset resumes from the state saved in the checkpoint: set "
@@ -278,28 +288,20 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
             # Here, not only in create_optimizer: a DeepSpeed config with its own optimizer section skips that.
             refuse_unsupported_sharding(self.args)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """`Trainer.train`; with a streamed `train_dataset`, first the stream's progress: loaded from the checkpoint
-        (`True` or `"latest"`: the newest complete one in `output_dir`), else from the start."""
-        if isinstance(self.train_dataset, PackedStream):
-            checkpoint = resolve_checkpoint(self.args.output_dir, resume_from_checkpoint)
-            self.data_progress = self._new_data_progress(checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    def _new_data_progress(self, checkpoint: str | None = None) -> StreamProgress:
-        key = (self.train_dataset.fingerprint(), self.args.process_index, self.args.world_size,
-               self.args.dataloader_num_workers)
-        return StreamProgress.load(checkpoint, *key) if checkpoint else StreamProgress(*key)
-
     def get_train_dataloader(self):
+        """With a streamed `train_dataset`: a plain DataLoader over it (`stream_dataloader`), starting where the
+        resumed checkpoint's `data_progress` left off (`train(resume_from_checkpoint=...)`), else at the start."""
         if not isinstance(self.train_dataset, PackedStream):
             return super().get_train_dataloader()
-        self.data_progress = self.data_progress or self._new_data_progress()
+        key = (self.train_dataset.fingerprint(), self.args.process_index, self.args.world_size,
+               self.args.dataloader_num_workers)
+        checkpoint = getattr(self, "resume_checkpoint", None)
+        self.data_progress = StreamProgress.load(checkpoint, *key) if checkpoint else StreamProgress(*key)
         workers = self.args.dataloader_num_workers
         extra = dict(persistent_workers=self.args.dataloader_persistent_workers,
                      prefetch_factor=self.args.dataloader_prefetch_factor,
                      multiprocessing_context=self.args.dataloader_multiprocessing_context) if workers else {}
-        return stream_dataloader(self.train_dataset, self._train_batch_size, self.data_collator, self.data_progress,
+        return stream_dataloader(self.train_dataset, self.args.train_batch_size, self.data_collator, self.data_progress,
                                  workers, pin_memory=self.args.dataloader_pin_memory, **extra)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
@@ -311,12 +313,12 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
                 self.data_progress.consume(state, batch["input_ids"])
         return batch_samples, num_items_in_batch
 
-    def _save_rng_state(self, output_dir: str) -> None:
-        """The RNG states and the data stream's progress: the per-process state a resume needs, written before
-        trainer_state.json marks the checkpoint complete and before older checkpoints are rotated away."""
-        super()._save_rng_state(output_dir)
+    def save_resume_state(self, folder) -> None:
+        """`hfl3_run.json` and this process's data-stream progress (`data_state_rank{R}.safetensors`), written into
+        the staged checkpoint before it is renamed complete."""
+        super().save_resume_state(folder)
         if self.data_progress is not None:
-            self.data_progress.save(output_dir)
+            self.data_progress.save(folder)
 
     def stream_summary(self) -> dict | None:
         """What the streamed training consumed on all processes (a collective: call it on every rank): per-rank
@@ -371,22 +373,21 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
     def _track_num_input_tokens(self, inputs):
         """Count input tokens on the host (`numel` is metadata: no device sync). transformers 5.23 gathers the count
         across processes and calls `.item()` after every micro-batch, which stalls the host behind the device each
-        step; here the count is summed across processes only when the Trainer logs, saves, evaluates or stops (see
-        `_maybe_log_save_evaluate`), so `state.num_input_tokens_seen` is exact whenever it is read or written."""
+        step, and offers no public hook in its place (`include_num_input_tokens_seen="no"` drops the count from the
+        logs and the state); here the count is summed across processes only where the Trainer logs, saves,
+        evaluates or stops (`_count_pending_input_tokens`), so `state.num_input_tokens_seen` is exact whenever it is
+        read or written."""
         main_input = getattr(self.model, "main_input_name", "input_ids")
         if self.args.include_num_input_tokens_seen != "all" or main_input not in inputs:
             return super()._track_num_input_tokens(inputs)
         self._pending_input_tokens += inputs[main_input].numel()
 
-    def _maybe_log_save_evaluate(self, *args, **kwargs):
-        control = self.control
-        if control.should_log or control.should_save or control.should_evaluate or control.should_training_stop:
-            pending = self._pending_input_tokens
-            if self.args.world_size > 1:  # a collective: every process reaches it at the same step
-                pending = int(self.accelerator.gather(torch.tensor([pending], device=self.args.device)).sum())
-            self.state.num_input_tokens_seen += pending
-            self._pending_input_tokens = 0
-        return super()._maybe_log_save_evaluate(*args, **kwargs)
+    def _count_pending_input_tokens(self) -> None:
+        pending = self._pending_input_tokens
+        if self.args.world_size > 1:  # a collective: every process reaches it at the same step
+            pending = int(self.accelerator.gather(torch.tensor([pending], device=self.args.device)).sum())
+        self.state.num_input_tokens_seen += pending
+        self._pending_input_tokens = 0
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """`Trainer.log` without its `train_tokens_per_second`: a training log's throughput is `ThroughputCallback`'s

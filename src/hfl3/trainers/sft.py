@@ -5,6 +5,7 @@ and data and runs them."""
 import logging
 import math
 import os
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from trl import SFTConfig, SFTTrainer
 import hfl3  # noqa: F401  (registers L3GPT with the Auto classes)
 from hfl3.provenance import stamp_folder
 from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
-from hfl3.trainers.outputs import SFTOutputs, sft_model_card, usage_name
+from hfl3.trainers.cards import sft_model_card, usage_name
+from hfl3.trainers.outputs import SFTOutputs
 from hfl3.trainers.supervised_nll import LOGIT_SCALE_FIELDS, add_supervised_nll
 
 logger = logging.getLogger(__name__)
@@ -77,7 +79,7 @@ class SFTLoRAConfig(SFTConfig):
     )
 
     def __post_init__(self):
-        check_training_arguments(self)  # issue 15: refuse a zero/negative learning rate or max_steps 0
+        check_training_arguments(self)  # a zero/negative learning rate or max_steps 0 trains nothing
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         self.evaluate_by_default = self.eval_strategy is None and not self.load_best_model_at_end
@@ -107,7 +109,9 @@ class HFL3SFTTrainer(NonFiniteGuard, SFTOutputs, SFTTrainer):  # NonFiniteGuard 
     - off CUDA/XPU (CPU, MPS) the loss is a chunked linear + cross-entropy over the supervised positions only
       (`compute_loss`, `add_supervised_nll`): TRL's fused LM head compacts to those positions only where Triton runs
       and otherwise scores every position through an eager online-softmax loop over 4096 × 32768 tiles (slower, and
-      more memory on CPU); on GPUs TRL's fused, chunked path is kept. Neither builds `(batch, seq, vocab)` logits;
+      more memory on CPU); on GPUs TRL's fused, chunked path is kept. Neither builds `(batch, seq, vocab)` logits.
+      The compact path logs what TRL's would (`mean_token_accuracy` per micro-batch, averaged at each log;
+      `num_tokens`, the non-padding training tokens so far), kept by hfl3 and added in `log`;
     - `eval_loss` is the token-weighted mean NLL over all supervised tokens of the evaluation set (HF averages the
       per-batch means), and `eval_perplexity = exp(eval_loss)` is added (same for any `metric_key_prefix`);
     - output folders and checkpoints as `hfl3.trainers.outputs.SFTOutputs` makes them: staged and renamed when
@@ -133,6 +137,8 @@ class HFL3SFTTrainer(NonFiniteGuard, SFTOutputs, SFTTrainer):  # NonFiniteGuard 
         super().__init__(*args, **kwargs)
         self.provenance = provenance
         self._eval_nll_sum = self._eval_token_count = None
+        self._compact_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}  # name -> per micro-batch
+        self._compact_train_tokens = 0
         self.compact_loss = self._compact_loss_applies()
         if self.compact_loss:
             add_supervised_nll(self._base_model(), owner=self.model)
@@ -178,17 +184,27 @@ class HFL3SFTTrainer(NonFiniteGuard, SFTOutputs, SFTTrainer):  # NonFiniteGuard 
         # Per-rank sums are gathered with `gather`, not `gather_for_metrics`: at the last batch of an epoch the
         # latter cuts what it gathers to the dataset's remainder of samples, which is meaningless for sums (and broke
         # on the [correct, count] pair when the remainder was 1)
+        metrics = self._compact_metrics[mode]
         with torch.no_grad():
             correct = (outputs.predictions == outputs.targets).sum()
             correct, count_all = self.accelerator.gather(torch.stack([correct, count])).view(-1, 2).sum(0)
-            self._metrics[mode]["mean_token_accuracy"].append((correct / count_all.clamp(min=1)).item())
+            metrics["mean_token_accuracy"].append((correct / count_all.clamp(min=1)).item())
         if mode == "train":
             # Padding-free (packed) batches have no attention mask and no padding
             ids = inputs["input_ids"]
             real_tokens = inputs["attention_mask"].sum() if "attention_mask" in inputs else ids.new_tensor(ids.numel())
-            self._total_train_tokens += self.accelerator.gather(real_tokens).sum().item()
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            self._compact_train_tokens += self.accelerator.gather(real_tokens).sum().item()
+        metrics["num_tokens"] = [self._compact_train_tokens]
         return loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """`SFTTrainer.log` with the compact path's metrics added as TRL adds its own: averaged over the micro-batches
+        since the last log, `eval_`-prefixed in evaluation."""
+        mode = "train" if self.model.training else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        logs.update({prefix + key: sum(values) / len(values) for key, values in self._compact_metrics[mode].items()})
+        self._compact_metrics[mode].clear()
+        super().log(logs, start_time)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)

@@ -8,7 +8,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 WINDOW_LETTERS = {"S": "sliding_attention", "L": "full_attention"}
 
-# Fields added after L3GPT's first release (issue 17: nanochat master's dense core), with the value that a
+# Fields added after L3GPT's first release (nanochat master's value embeddings, smear and backout), with the value that a
 # config.json written before them stands for. `L3GPTConfig.from_dict` fills them in when a file lacks them.
 LEGACY_FIELD_VALUES = {"value_embedding_layers": [], "use_smear_gate": False, "use_backout": False}
 

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from hfl3.provenance import atomic_path, package_versions, portable, sha256_file
+from hfl3.atomic import atomic_path
+from hfl3.provenance import package_versions, portable, sha256_file
 
 from .configuration_l3gpt import L3GPTConfig
 from .convert_nanochat_tokenizer import PICKLE_NAME, TOKEN_BYTES_NAME, encoding_from_tokenizer, encoding_pickle_bytes

@@ -396,6 +396,36 @@ class L3GPTModel(L3GPTPreTrainedModel):
             return routing
         return routing._replace(prefetch=prefetch_routed_rows(input_ids, self.l3_bounds, routing, tables))
 
+    def attention_masks(
+        self,
+        attention_mask: torch.Tensor | dict | None,
+        inputs_embeds: torch.Tensor,
+        past_key_values: Cache | None,
+        position_ids: torch.LongTensor,
+        plain_causal_rows: bool,
+    ) -> dict:
+        """The mask of each layer type (`"full_attention"`, `"sliding_attention"`), from transformers' mask helpers; a
+        dict given as `attention_mask` is taken as is. For `plain_causal_rows` (no mask, positions or cache: training
+        and scoring) the full-attention mask is None, so that SDPA and flash run their causal kernels."""
+        if isinstance(attention_mask, dict):
+            return attention_mask
+        mask_kwargs = dict(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=None if plain_causal_rows else position_ids,
+        )
+        if plain_causal_rows and self.config._attn_implementation in CAUSAL_FLAG_ATTENTION:
+            # transformers' helper would build a dense (B, 1, T, T) mask under torch.compile with torch < 2.14
+            # (`_ignore_causal_mask_sdpa`), which keeps SDPA off its flash kernel.
+            masks = {"full_attention": None}
+        else:
+            masks = {"full_attention": create_causal_mask(**mask_kwargs)}
+        if "sliding_attention" in self.config.layer_types:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+        return masks
+
     @capture_outputs
     def forward(
         self,
@@ -443,25 +473,8 @@ class L3GPTModel(L3GPTPreTrainedModel):
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen
 
-        mask_mapping = attention_mask
-        if not isinstance(mask_mapping, dict):
-            mask_kwargs = dict(
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                past_key_values=past_key_values,
-                position_ids=None if plain_causal_rows else position_ids,
-            )
-            if plain_causal_rows and self.config._attn_implementation in CAUSAL_FLAG_ATTENTION:
-                # Whole causal rows (training, scoring): no mask, so SDPA and flash run their causal kernels.
-                # transformers' helper would build a dense (B, 1, T, T) mask under torch.compile with torch < 2.14
-                # (`_ignore_causal_mask_sdpa`), which keeps SDPA off its flash kernel.
-                mask_mapping = {"full_attention": None}
-            else:
-                mask_mapping = {"full_attention": create_causal_mask(**mask_kwargs)}
-            if "sliding_attention" in self.config.layer_types:
-                mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
-
+        mask_mapping = self.attention_masks(attention_mask, inputs_embeds, past_key_values, position_ids,
+                                            plain_causal_rows)
         hidden_states = self.norm(inputs_embeds)  # (B, T, C)
         if self.smear is not None:
             previous = self.smear.previous_embedding(hidden_states, past_key_values)

@@ -1,0 +1,36 @@
+"""Upload a finished output folder to the Hugging Face Hub."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+# What an upload leaves out: checkpoints, a merged model pushed on its own, temporary files and the staging area
+IGNORED = ("checkpoint-*", "checkpoint-*/**", "merged/**", "*.tmp", ".*", "_hfl3*")
+
+
+def push_folder_to_hub(
+    folder: str | os.PathLike,
+    repo_id: str,
+    private: bool | None = None,
+    token: str | None = None,
+    ignore_patterns: Sequence[str] = IGNORED,
+) -> str:
+    """Upload `folder` (weights or adapter, tokenizer, metadata.json and README.md) to the Hub model repository
+    `repo_id` with `huggingface_hub`, creating the repository if needed; checkpoints and temporary files are left
+    out. Returns the commit URL.
+
+    Raises:
+        huggingface_hub errors: offline (`HF_HUB_OFFLINE=1`), no token, or no write access to `repo_id`.
+    """
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    commit = api.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(folder),
+        commit_message="Upload from hfl3",
+        ignore_patterns=list(ignore_patterns),
+    )
+    return str(commit)

@@ -1,0 +1,47 @@
+"""The private Trainer methods hfl3 still overrides, pinned to transformers 5.23's signatures: a release that renames
+one or changes its parameters fails here, naming the hfl3 feature that would silently stop working, instead of a run
+quietly losing it. Everything else hfl3's trainers change goes through public hooks (callbacks, `training_step`,
+`compute_loss`, `create_optimizer`, `get_train_dataloader`, `get_batch_samples`, `log`, `save_model`, `train`)."""
+
+import inspect
+
+import pytest
+from transformers import Trainer
+from trl import SFTTrainer
+
+from hfl3.trainers.pretrain import L3GPTTrainer
+from hfl3.trainers.sft import HFL3SFTTrainer
+
+EMPTY = inspect.Parameter.empty
+PRIVATE_HOOKS = [
+    # (method, its parameters and defaults, the hfl3 feature that depends on it)
+    ("_save_checkpoint", [("self", EMPTY), ("model", EMPTY), ("trial", EMPTY)],
+     "staged checkpoints (OutputFolderMixin): the Trainer's whole checkpoint is written into _hfl3_staging and renamed "
+     "to checkpoint-N once complete, hfl3_run.json and the data-stream state included, so a kill never leaves an "
+     "incomplete checkpoint-N; no public hook wraps the checkpoint write (on_save runs after it)"),
+    ("_get_grad_norm", [("self", EMPTY), ("model", EMPTY), ("grad_norm", None)],
+     "the NaN/inf guard (NonFiniteGuard): the pre-clipping gradient norm of every optimizer step, checked on the "
+     "device; no public hook receives it (callbacks see it only in the logs, as a host float)"),
+    ("_track_num_input_tokens", [("self", EMPTY), ("inputs", EMPTY)],
+     "sync-free pretraining steps (L3GPTTrainer): input tokens counted on the host and summed across processes only "
+     "at logs; the Trainer's own count calls .item() after every micro-batch and no public hook replaces it"),
+]
+
+
+@pytest.mark.parametrize("name, parameters, feature", PRIVATE_HOOKS, ids=[hook[0] for hook in PRIVATE_HOOKS])
+def test_each_private_hook_keeps_its_signature(name, parameters, feature):
+    method = getattr(Trainer, name, None)
+    assert callable(method), f"transformers' Trainer has no {name}; lost: {feature}"
+    found = [(p.name, p.default) for p in inspect.signature(method).parameters.values()]
+    assert found == parameters, f"Trainer.{name}{inspect.signature(method)} changed; check: {feature}"
+
+
+@pytest.mark.parametrize("trainer_class, base", [(L3GPTTrainer, Trainer), (HFL3SFTTrainer, SFTTrainer)])
+def test_no_other_private_trainer_method_is_overridden(trainer_class, base):
+    hfl3_classes = [cls for cls in trainer_class.__mro__ if cls.__module__.startswith("hfl3.")]
+    overridden = {name for cls in hfl3_classes for name in vars(cls)
+                  if name.startswith("_") and not name.startswith("__") and callable(getattr(base, name, None))}
+    assert overridden <= {hook[0] for hook in PRIVATE_HOOKS}, overridden
+    # and the pinned ones are really in use (a stale entry above would pin nothing)
+    assert {"_save_checkpoint", "_get_grad_norm"} <= overridden
+    assert ("_track_num_input_tokens" in overridden) == (trainer_class is L3GPTTrainer)
