@@ -55,7 +55,7 @@ from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
 from hfl3.trainers.compute_optimal import REFERENCE_DEPTH, ComputeOptimalPlan, compute_optimal_plan
 from hfl3.trainers.guards import exit_on_training_error
 from hfl3.trainers.inputs import TOKENIZER, TOKENIZER_FILES, RecipeParser, check_corpus, check_pretrained
-from hfl3.trainers.launch import add_config_argument, check_world_size, parse_recipe_args
+from hfl3.trainers.launch import add_config_argument, check_launch, parse_recipe_args
 from hfl3.trainers.outputs import prepare_output_dir, work_dir
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 
@@ -253,7 +253,7 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
     set_seed(training_args.seed)
     if not script_args.dry_run:  # a dry run neither checks nor touches the output folder
         prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
-    check_world_size(training_args)
+    check_launch(training_args)  # refuse a distributed setup that accelerate silently replaced
     # Sized before any data work, with the vocabulary the run will have (a BPE is trained to --vocab_size)
     tokenizer_source = (None if script_args.dry_run else training_args.resume_from_checkpoint) or \
         script_args.tokenizer_name_or_path

@@ -51,7 +51,7 @@ from hfl3.generation import answer_prompts
 from hfl3.atomic import write_json_atomic
 from hfl3.provenance import build_metadata, config_sha256
 from hfl3.trainers.guards import check_vocabulary_fits, exit_on_training_error
-from hfl3.trainers.launch import add_config_argument, check_world_size, parse_recipe_args
+from hfl3.trainers.launch import add_config_argument, check_launch, parse_recipe_args
 from hfl3.trainers.inputs import (
     MODEL,
     MODEL_FILES,
@@ -244,7 +244,7 @@ def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_ar
     """Train (evaluating at step 0 and after, when there is evaluation data), save the adapter with provenance,
     optionally merge and push. Returns the results written to `all_results.json`."""
     prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
-    check_world_size(training_args)
+    check_launch(training_args)  # refuse a distributed setup that accelerate silently replaced
     trainer, data, metadata = build_trainer(script_args, training_args, model_args)
     log = trainer.accelerator.print
     for name, stats in data.stats.items():

@@ -1,15 +1,20 @@
 """Quiet launches: `import hfl3` prints nothing (torchao's import-time warnings are kept for the AO FP8 backend),
-hfl3.fp8 works without torchao, and a bad recipe argument is one clear message, not a traceback."""
+hfl3.fp8 works without torchao, a bad recipe argument is one clear message, not a traceback, and a distributed setup
+that accelerate silently replaced (fsdp2.yaml on a CPU machine trains as DDP) is refused with one line naming the
+config to use (the real `accelerate launch`: tests/distributed/test_accelerate_configs.py)."""
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
-from hfl3.trainers.launch import parse_recipe_args
+from hfl3.trainers.guards import exit_on_training_error
+from hfl3.trainers.launch import LaunchError, check_launch, launch_problem, parse_recipe_args
 
 # Root logging configured first, as a recipe does, so every logged record would be printed
 LOGGING = "import logging; logging.basicConfig(level=logging.WARNING, format='%(name)s: %(message)s')\n"
@@ -108,3 +113,83 @@ def test_help_starts_with_config_and_the_recipes_own_options(repo_root, name, ow
     first = "\n".join(help_lines[:40])
     assert "--config FILE" in first and own_option in first, first
     assert sum(line.lstrip().startswith("--config") for line in help_lines) == 1
+
+
+# What accelerate 1.15 sets up for each file of accelerate_configs/ launched on a machine without CUDA, with the
+# recipe flags that pick the CPU setup (measured with `accelerate launch` of each file on a 2-core CPU box,
+# 2026-11-24, dev/LOG.md), and on CUDA GPUs (accelerate/state.py): (config, recipe flags, what the launch asks for,
+# accelerate's distributed type, world size set up, processes launched, the start of the refusal or None).
+FSDP_ON_CPU = "FSDP (accelerate_configs/fsdp2.yaml) was launched but accelerate set up"
+LAUNCHES = [
+    ("cpu.yaml", "", "ddp", "NO", 1, 1, None),
+    ("single_gpu.yaml", "", "ddp", "NO", 1, 1, None),
+    ("mps.yaml", "", "ddp", "NO", 1, 1, None),
+    ("fp8_ao.yaml", "", "ddp", "NO", 1, 1, None),
+    ("multi_cpu_ddp.yaml", "--use_cpu", "ddp", "MULTI_CPU", 2, 2, None),
+    ("multi_cpu_ddp.yaml", "", "ddp", "NO", 1, 2, "2 processes were launched but accelerate set up world size 1"),
+    ("multi_cpu_ddp.yaml", "--ddp_backend gloo", "ddp", "NO", 2, 2, "2 processes were launched but accelerate set "
+                                                                   "them up without DDP"),
+    ("multi_gpu.yaml", "--use_cpu", "ddp", "MULTI_CPU", 2, 2, None),
+    ("multi_gpu.yaml", "", "ddp", "NO", 1, 2, "2 processes were launched but accelerate set up world size 1"),
+    ("multi_gpu.yaml", "(CUDA)", "ddp", "MULTI_GPU", 2, 2, None),
+    ("zero2.yaml", "--ddp_backend gloo", "deepspeed", "DEEPSPEED", 2, 2, None),
+    ("zero2.yaml", "--use_cpu", "deepspeed", "MULTI_CPU", 2, 2, None),  # the Trainer's Accelerator runs DeepSpeed
+    ("zero2.yaml", "", "deepspeed", "DEEPSPEED", 1, 2, "2 processes were launched but accelerate set up world size 1"),
+    ("zero3.yaml", "--ddp_backend gloo", "deepspeed", "DEEPSPEED", 2, 2, None),
+    ("zero3.yaml", "--use_cpu", "deepspeed", "MULTI_CPU", 2, 2, None),
+    ("fsdp2.yaml", "--use_cpu", "fsdp", "MULTI_CPU", 2, 2, f"{FSDP_ON_CPU} plain DDP (distributed type MULTI_CPU)"),
+    ("fsdp2.yaml", "--ddp_backend gloo", "fsdp", "NO", 2, 2, f"{FSDP_ON_CPU} separate processes without FSDP"),
+    ("fsdp2.yaml", "", "fsdp", "NO", 1, 2, f"{FSDP_ON_CPU} separate processes without FSDP"),
+    ("fsdp2.yaml", "(CUDA)", "fsdp", "MULTI_GPU", 2, 2, None),
+    ("fsdp2.yaml", "(CUDA, second run in the process)", "fsdp", "FSDP", 2, 2, None),
+]
+
+
+@pytest.mark.parametrize("config, flags, requested, distributed_type, world_size, launched, refusal", LAUNCHES,
+                         ids=[f"{case[0]} {case[1]}".strip() for case in LAUNCHES])
+def test_a_distributed_setup_accelerate_replaced_is_refused(config, flags, requested, distributed_type, world_size,
+                                                            launched, refusal):
+    problem = launch_problem(requested, distributed_type, world_size, launched)
+    if refusal is None:
+        assert problem is None
+    else:
+        assert problem.startswith(refusal) and "\n" not in problem
+        fix = "--ddp_backend gloo" if requested == "deepspeed" else "multi_cpu_ddp.yaml"
+        assert fix in problem, problem
+
+
+def test_every_config_is_in_the_launch_table(repo_root):
+    assert {case[0] for case in LAUNCHES} == {path.name for path in (repo_root / "accelerate_configs").glob("*.yaml")}
+
+
+def _training_args(distributed_type: str, world_size: int, fsdp="", deepspeed=None):
+    from accelerate.utils import DistributedType
+
+    return SimpleNamespace(distributed_state=SimpleNamespace(distributed_type=DistributedType(distributed_type)),
+                           world_size=world_size, parallel_mode="parallel mode", fsdp=fsdp, deepspeed=deepspeed)
+
+
+def test_check_launch_reads_what_was_launched_and_what_was_set_up(monkeypatch):
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert check_launch(_training_args("NO", 1)) == 1  # no launcher: one process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert check_launch(_training_args("MULTI_CPU", 2)) == 2
+    with pytest.raises(LaunchError, match="^2 processes were launched but accelerate set up world size 1: .*"
+                                          "add --use_cpu"):
+        check_launch(_training_args("NO", 1))
+    with pytest.raises(LaunchError, match="world size 1: .*add --ddp_backend gloo$"):
+        check_launch(_training_args("DEEPSPEED", 1, deepspeed="accelerate_configs/deepspeed/zero2.json"))
+    with pytest.raises(LaunchError, match=f"^{re.escape(FSDP_ON_CPU)} plain DDP"):
+        check_launch(_training_args("MULTI_CPU", 2, fsdp="full_shard"))  # --fsdp of TrainingArguments
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch sets for fsdp2.yaml
+    with pytest.raises(LaunchError, match=f"^{re.escape(FSDP_ON_CPU)} plain DDP"):
+        check_launch(_training_args("MULTI_CPU", 2))
+
+
+def test_a_launch_error_ends_the_recipe_with_one_line_and_status_2(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["recipes/pretrain.py"])
+    with pytest.raises(SystemExit) as exit_info, exit_on_training_error():
+        raise LaunchError("what was set up instead; the fix")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "pretrain.py: error: what was set up instead; the fix\n"

@@ -28,6 +28,7 @@ CONFIGS = REPO_ROOT / "accelerate_configs"
 LAUNCH_TIMEOUT_S = 900
 COLLECTIVE_TIMEOUT_S = 300  # --ddp_timeout: a rank stuck in a collective fails the launch instead of waiting 30 min
 PRETRAIN_STEPS = 20
+PRETRAIN_DEPTH = 3
 CHECKPOINT_STEP = 10
 SFT_CHATS = 32
 
@@ -95,15 +96,17 @@ def launch(config: str | None, runs: list[dict], workdir: Path, env: dict | None
 
 
 def pretrain_run(name: str, output_dir: Path, per_device_batch: int, *extra: str, continue_on_error=False,
-                 record_rows=False) -> dict:
-    """recipes/pretrain.py on recipes/configs/pretrain_tiny.yaml: 20 steps, evaluation at steps 0, 10 and 20;
-    `record_rows`: every rank writes the hashes of the rows it trains on (recipe_runner.py)."""
-    args = ["--config", "recipes/configs/pretrain_tiny.yaml", "--output_dir", str(output_dir),
-            "--per_device_train_batch_size", str(per_device_batch), "--max_steps", str(PRETRAIN_STEPS),
-            "--eval_steps", "10", "--report_to", "none", "--disable_tqdm", "true",
+                 record_rows=False, record_gradients=False) -> dict:
+    """recipes/pretrain.py on recipes/configs/pretrain_tiny.yaml at depth 3 (at its depth 2 the backout scalar
+    subtracts a multiple of the last layer's own output, which the final RMSNorm cancels: its gradient is pure
+    round-off): 20 steps, evaluation at steps 0, 10 and 20; `record_rows`: every rank writes the hashes of the rows
+    it trains on, `record_gradients`: the first step's gradients are written (recipe_runner.py)."""
+    args = ["--config", "recipes/configs/pretrain_tiny.yaml", "--depth", str(PRETRAIN_DEPTH),
+            "--output_dir", str(output_dir), "--per_device_train_batch_size", str(per_device_batch),
+            "--max_steps", str(PRETRAIN_STEPS), "--eval_steps", "10", "--report_to", "none", "--disable_tqdm", "true",
             "--ddp_timeout", str(COLLECTIVE_TIMEOUT_S), *extra]
     return {"name": name, "recipe": "pretrain", "args": args, "continue_on_error": continue_on_error,
-            "record_rows": record_rows}
+            "record_rows": record_rows, "record_gradients": record_gradients}
 
 
 def sft_run(name: str, base_model: Path, chats: Path, output_dir: Path, per_device_batch: int, *extra: str,
@@ -117,7 +120,8 @@ def sft_run(name: str, base_model: Path, chats: Path, output_dir: Path, per_devi
             "--per_device_train_batch_size", str(per_device_batch), "--per_device_eval_batch_size", "4",
             "--dataloader_drop_last", "true", "--report_to", "none", "--ddp_timeout", str(COLLECTIVE_TIMEOUT_S),
             *extra]
-    return {"name": name, "recipe": "sft_lora", "args": args, "continue_on_error": continue_on_error}
+    return {"name": name, "recipe": "sft_lora", "args": args, "continue_on_error": continue_on_error,
+            "record_gradients": True}
 
 
 CHECKPOINTED = ("--save_strategy", "steps", "--save_steps", str(CHECKPOINT_STEP))
@@ -131,7 +135,8 @@ def resumed_from(uninterrupted_dir: Path) -> tuple[str, ...]:
 
 def muon_and_resumed(out: Path, *extra: str) -> list[dict]:
     """Pretrain Muon with a checkpoint at step 10, and its resumption from that checkpoint."""
-    return [pretrain_run("pretrain_muon", out / "pretrain_muon", 4, *extra, "--optim", "muon", *CHECKPOINTED),
+    return [pretrain_run("pretrain_muon", out / "pretrain_muon", 4, *extra, "--optim", "muon", *CHECKPOINTED,
+                         record_gradients=True),
             pretrain_run("pretrain_muon_resumed", out / "pretrain_muon_resumed", 4, *extra, "--optim", "muon",
                          *resumed_from(out / "pretrain_muon"))]
 
@@ -152,14 +157,14 @@ def sft_chats(distributed_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def reference(distributed_dir, sft_chats) -> Launch:
-    """One process: pretrain with AdamW and with Muon on the global batch (2 workers x 4 rows, accumulated), Muon on
-    half of it (what a rank would do without the gradient all-reduce), and SFT LoRA on the AdamW model, which is the
-    base of every SFT run."""
+    """One process: pretrain with AdamW and with Muon on the global batch (2 workers x 4 rows, accumulated), AdamW on
+    half of it (the gradients a rank would step with without the all-reduce), and SFT LoRA on the AdamW model, which
+    is the base of every SFT run."""
     out = distributed_dir / "single"
     return launch(None, [
-        pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, *TWO_STREAMS_ONE_PROCESS),
+        pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, *TWO_STREAMS_ONE_PROCESS, record_gradients=True),
         pretrain_run("pretrain_muon", out / "pretrain_muon", 4, *TWO_STREAMS_ONE_PROCESS, "--optim", "muon"),
-        pretrain_run("pretrain_muon_half_batch", out / "pretrain_muon_half_batch", 4, "--optim", "muon"),
+        pretrain_run("pretrain_half_batch", out / "pretrain_half_batch", 4, record_gradients=True),
         sft_run("sft_lora", out / "pretrain_adamw", sft_chats, out / "sft_lora", 4),
     ], out, env={"OMP_NUM_THREADS": "1"})  # as torchrun sets for each rank; 2 threads on a busy 2-core box crawl
 
@@ -178,7 +183,7 @@ def ddp(distributed_dir, sft_base, sft_chats) -> Launch:
     worker = ("--dataloader_num_workers", "1")
     return launch("multi_cpu_ddp.yaml", [
         pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, "--use_cpu", *worker, *CHECKPOINTED,
-                     record_rows=True),
+                     record_rows=True, record_gradients=True),
         pretrain_run("pretrain_adamw_resumed", out / "pretrain_adamw_resumed", 4, "--use_cpu", *worker,
                      *resumed_from(out / "pretrain_adamw"), record_rows=True),
         pretrain_run("pretrain_muon", out / "pretrain_muon", 4, "--use_cpu", "--optim", "muon"),
@@ -204,7 +209,8 @@ def zero2(distributed_dir, sft_base, sft_chats) -> Launch:
     out = distributed_dir / "zero2"
     gloo = ("--ddp_backend", "gloo")
     return launch("zero2.yaml", [
-        pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, *gloo, *CHECKPOINTED, record_rows=True),
+        pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, *gloo, *CHECKPOINTED, record_rows=True,
+                     record_gradients=True),
         pretrain_run("pretrain_adamw_resumed", out / "pretrain_adamw_resumed", 4, *gloo,
                      *resumed_from(out / "pretrain_adamw"), record_rows=True),
         *muon_and_resumed(out, *gloo),
@@ -219,7 +225,7 @@ def zero3(distributed_dir, sft_base, sft_chats) -> Launch:
     out = distributed_dir / "zero3"
     gloo = ("--ddp_backend", "gloo")
     return launch("zero3.yaml", [
-        pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, *gloo),
+        pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, *gloo, record_gradients=True),
         *muon_and_resumed(out, *gloo),
         sft_run("sft_lora", sft_base, sft_chats, out / "sft_lora", 2, *gloo, continue_on_error=True),
     ], out)

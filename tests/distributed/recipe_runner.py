@@ -7,12 +7,14 @@ than training the tiny models, so each launch runs a list of runs. A run is exac
 the recipe file's own `make_parser().parse_args_and_config(args)` and `main(...)`, with a fresh parser per run.
 
 PLAN.json: `{"results_dir": DIR, "runs": [{"name": ..., "recipe": "pretrain" | "sft_lora", "args": [...],
-"continue_on_error": false, "record_rows": false}, ...]}`. Every rank writes `DIR/<name>.rank<R>.json`: the world size
-that the recipe's `TrainingArguments` set up, the torch.distributed world size, the metrics `main` returned, and
-`error` (the exception as text, or null); with `record_rows`, also `DIR/<name>.rank<R>.rows.jsonl`: per optimizer
-step, the sha256 (16 hex digits) of every training row the rank consumed. A failing run stops the launch unless it
-has `continue_on_error` (for runs that fail the same way on every rank: a rank that failed alone would leave the
-others waiting in a collective).
+"continue_on_error": false, "record_rows": false, "record_gradients": false}, ...]}`. Every rank writes
+`DIR/<name>.rank<R>.json`: the world size that the recipe's `TrainingArguments` set up, the torch.distributed world
+size, the metrics `main` returned, and `error` (the exception as text, or null); with `record_rows`, also
+`DIR/<name>.rank<R>.rows.jsonl`: per optimizer step, the sha256 (16 hex digits) of every training row the rank
+consumed; with `record_gradients`, rank 0 writes `DIR/<name>.gradients.pt`: the gradients of the first optimizer
+step, averaged over the ranks and accumulated over the micro-batches, before clipping (`recording_gradients`). A
+failing run stops the launch unless it has `continue_on_error` (for runs that fail the same way on every rank: a rank
+that failed alone would leave the others waiting in a collective).
 """
 
 import contextlib
@@ -24,6 +26,7 @@ import sys
 import traceback
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -57,6 +60,45 @@ def recording_rows(path: Path):
         L3GPTTrainer.get_batch_samples = original
 
 
+@contextlib.contextmanager
+def recording_gradients(path: Path):
+    """While active, the first optimizer step's gradients of the trainable parameters, as the optimizer would see
+    them before clipping, are saved by rank 0 to `path` (`{name: float32 tensor}`, names of the unwrapped model).
+    Under DDP or in one process they are read where the Trainer is about to clip them (`Trainer._clip_grad_norm`,
+    called with --max_grad_norm > 0, the default); under DeepSpeed, whose `engine.step()` runs inside the backward
+    of the last micro-batch, when that step starts (`deepspeed.utils.safe_get_full_grad`, a collective on every
+    rank)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.utils import safe_get_full_grad
+    from transformers import Trainer
+
+    clip, step = Trainer._clip_grad_norm, DeepSpeedEngine.step
+    done = []
+
+    def save(named_parameters, gradient) -> None:
+        gradients = {name: gradient(param).detach().float().clone() for name, param in named_parameters
+                     if param.requires_grad}
+        if int(os.environ.get("RANK", "0")) == 0:
+            torch.save(gradients, path)
+        done.append(True)
+
+    def recording_clip(self, model):
+        if not done and not self.is_deepspeed_enabled:
+            save(self.model.named_parameters(), lambda param: param.grad)
+        return clip(self, model)
+
+    def recording_step(self, *args, **kwargs):
+        if not done and self.is_gradient_accumulation_boundary():
+            save(self.module.named_parameters(), safe_get_full_grad)
+        return step(self, *args, **kwargs)
+
+    Trainer._clip_grad_norm, DeepSpeedEngine.step = recording_clip, recording_step
+    try:
+        yield
+    finally:
+        Trainer._clip_grad_norm, DeepSpeedEngine.step = clip, step
+
+
 def run(plan_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
     results_dir = Path(plan["results_dir"])
@@ -69,7 +111,12 @@ def run(plan_path: str) -> None:
             record["world_size"] = training_args.world_size
             record["torch_world_size"] = dist.get_world_size() if dist.is_initialized() else 1
             rows = results_dir / f"{entry['name']}.rank{rank}.rows.jsonl"
-            with recording_rows(rows) if entry.get("record_rows") else contextlib.nullcontext():
+            gradients = results_dir / f"{entry['name']}.gradients.pt"
+            with contextlib.ExitStack() as recording:
+                if entry.get("record_rows"):
+                    recording.enter_context(recording_rows(rows))
+                if entry.get("record_gradients"):
+                    recording.enter_context(recording_gradients(gradients))
                 record["metrics"] = recipe.main(script_args, training_args, model_args)
         except Exception as error:  # recorded for the test, which asserts on the message
             record["error"] = f"{type(error).__name__}: {error}"
@@ -81,6 +128,12 @@ def run(plan_path: str) -> None:
             path.with_suffix(".tmp").write_text(json.dumps(record, indent=1, default=str))
             path.with_suffix(".tmp").replace(path)
         print(f"[recipe_runner] rank {rank} finished {entry['name']}: error={record['error']}", flush=True)
+    if dist.is_initialized():
+        # Every rank past its last collective, then the gloo threads joined before the interpreter finalizes: a
+        # gloo thread still finishing a collective then would be ended by Python with pthread_exit, and the forced
+        # unwind through a noexcept frame aborts the rank (equivalence.spawn_gloo_ranks)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

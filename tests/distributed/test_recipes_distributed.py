@@ -1,59 +1,76 @@
 """Both recipes under accelerate's multi-process configs on a CPU machine: 2-process DDP (multi_cpu_ddp.yaml) and
 DeepSpeed ZeRO-2 / ZeRO-3 (zero2.yaml, zero3.yaml), each launched with `accelerate launch --config_file ...`.
 
-Every run is checked for the world size its `TrainingArguments` set up on each rank, a falling loss and a saved
-model or adapter that loads; 2-process runs must equal the single-process run on the same global batch, and Muon
-under ZeRO-2 / ZeRO-3 (hfl3.optim.sharded: each matrix orthogonalised whole on an owner rank) the DDP Muon run.
+What is compared is what is deterministic up to float round-off (as in tests/test_muon_ddp.py), not the weights after
+20 Adam steps (Adam's first steps are ~sign(g): a gradient that nearly cancels over the batch turns the round-off of
+another reduction order into ±lr, which is how these tests once failed on another CPU):
+- DDP against one process on the same global batch runs the same code path: each of the 2 processes and each of the
+  one process's 2 accumulated micro-batches computes the same 4-row batch with 1 thread, and DDP's all-reduce of 2
+  ranks (each gradient halved, which is exact, then a + b) adds what gradient accumulation adds. So the first step's
+  gradients, the weights after 20 steps (AdamW and Muon) and the eval loss are equal bit for bit.
+- DeepSpeed ZeRO-2 / ZeRO-3 reduce the gradients in their own bucket order: the first step's gradients (the same
+  weights and rows in every setup) are compared with one process's within `gradient_tolerance` (float32 eps, the
+  reduction length, the values' magnitude; its derivation is in equivalence.py). The sharded optimizer steps
+  fed identical gradients are compared in test_muon_sharded_distributed.py.
+- SFT LoRA, 2 processes x 2 chats against 1 process x 4 chats (another batch composition): the first step's adapter
+  gradients within `gradient_tolerance`.
+Guards: the first step's gradients of half the global batch (what a rank steps with without the all-reduce) lie far
+outside the tolerance (`test_gradient_tolerance_can_tell`); the AdamW run of a ZeRO launch (what a silent fallback
+from Muon would train) ends far from its Muon run.
 
-Tolerances, from the 2026-11-21 measurements on a 2-core CPU (dev/LOG.md, issue 6), re-measured 2026-11-23 (issue 13)
-after the training data became a stream and the 1-process reference became 1 process x 2 DataLoader workers x 2
-accumulated batches of 4 rows (it was 1 x 8 rows):
-- AdamW, 2 processes vs 1: weights within 1.7e-5 (relative Frobenius norm per tensor), eval loss within 5e-7; since
-  issue 13 DDP is bit-identical (2 accumulated micro-batches sum the gradients as the 2-rank all-reduce does) and
-  ZeRO-2 / ZeRO-3 are within 1.2e-6. Allowed: 1e-4 and 1e-5.
-- Muon, 2 processes vs 1: weights within 1.7e-3 (the AdamW-driven scalars and embeddings: near-zero gradients
-  divided by sqrt(v) turn round-off into +-lr steps), eval loss within 9e-5; after `encodings/` left the stdlib
-  corpus (other documents), the L3 key table differed by 2.8e-2; since issue 13 DDP is bit-identical. Allowed: 5e-2
-  and 1e-3; training on half the global batch instead (no all-reduce) moves the weights by 1.4
-  (`test_muon_tolerance_can_tell`).
-- Muon under ZeRO-2 / ZeRO-3 vs the DDP Muon run (same global batch and rank split; DeepSpeed reduces and clips the
-  gradients in another order), measured 2026-11-23: weights within 3.0e-6 (ZeRO-2) and 1.9e-5 (ZeRO-3), eval loss
-  within 4.8e-7. Allowed: 1e-3 and 1e-5, inside the Muon 2-process tolerances above. The AdamW run of the same launch
-  (what a silent fallback would train) differs by 3.9 (`test_sharded_muon_equals_ddp`).
-- Resuming from the step-10 checkpoint: bit-identical weights and eval loss in DDP and ZeRO-2 (AdamW) and ZeRO-2 /
-  ZeRO-3 (Muon, whose sharded state each rank saves and reloads). Allowed: 1e-6. The resumed AdamW runs train on
-  exactly the uninterrupted run's rows of steps 11-20 on every rank (row hashes), the stream state coming from the
-  checkpoint (DDP: read in one DataLoader worker per rank).
-- SFT LoRA, 2 processes vs 1 (DDP, ZeRO-2, ZeRO-3): adapters within 3.9e-7, equal eval loss; on the base model
-  trained from the new corpus, 1.4e-5 (DDP, ZeRO-3) and 5.3e-5 (ZeRO-2): reduction-order round-off; on the base
-  model of the streamed data (issue 13), 1.9e-6. Allowed: 1e-3 and 1e-5 (without the gradient all-reduce the eval
-  loss was 1e-2 off). (The recipe evaluates at step 0 inside train(); an evaluate() before train() left DDP unwrapped
-  and gave ZeRO an inference engine.)
+Every run is also checked for the world size that its `TrainingArguments` set up on each rank, the tokens it trained
+on, a falling loss and a saved model or adapter that loads. Resuming from the step-10 checkpoint continues bit for bit
+(the same code path): weights, eval loss and train loss, and the rows trained on (AdamW: row hashes of every rank).
 """
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from equivalence import FLOAT32_EPS, gradient_tolerance
+
 pytestmark = pytest.mark.distributed
 
-ADAMW_WEIGHTS_RTOL, ADAMW_LOSS_ATOL = 1e-4, 1e-5
-MUON_WEIGHTS_RTOL, MUON_LOSS_ATOL = 5e-2, 1e-3
-SHARDED_MUON_WEIGHTS_RTOL, SHARDED_MUON_LOSS_ATOL = 1e-3, 1e-5
-RESUME_RTOL = 1e-6
-# `backout_lambda` (issue 17: h - λ·h_mid before the final norm) is one AdamW scalar whose gradient sums terms that
-# nearly cancel in these tiny models, so Adam's ~±lr steps follow the reduction order's round-off: ZeRO-2/3 vs one
-# process (AdamW) and vs DDP (Muon) put it 0.6-2.4 % apart (measured 2026-11-23) while every other tensor stays
-# within the tolerances above. It is compared at 5 %.
-ROUNDOFF_DOMINATED = {"model.backout_lambda": 5e-2}
-SFT_ADAPTER_RTOL, SFT_LOSS_ATOL = 1e-3, 1e-5
 MIN_BPB_DROP = 0.25  # 20 steps lower the validation bpb by 0.6 (Muon) to 0.9 (AdamW); round-off is ~1e-4
 WORLD_SIZE = 2
 PRETRAIN_STEPS, CHECKPOINT_STEP = 20, 10  # as in conftest.py
+PRETRAIN_POSITIONS = 8 * 64  # the global batch: 8 packed rows of max_length 64 (pretrain_tiny.yaml)
+SFT_POSITIONS = 4 * 128  # at most: 4 chats of max_length 128 (sft_tiny.yaml)
+
+
+def hidden_size(folder: Path) -> int:
+    """The hidden size of the model a run saved in `folder` (or, for an adapter, of its base)."""
+    config = folder / "config.json"
+    if not config.exists():
+        config = Path(json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"])
+        config = (config if config.is_absolute() else folder / config) / "config.json"
+    return json.loads(config.read_text())["hidden_size"]
+
+
+def first_step_gradients(workdir: Path, name: str) -> dict[str, torch.Tensor]:
+    """The gradients of run `name`'s first optimizer step (recipe_runner.py `record_gradients`)."""
+    return torch.load(workdir / f"{name}.gradients.pt", weights_only=True)
+
+
+def assert_gradients_close(gradients: dict, reference: dict, positions: int, hidden: int, what: str) -> None:
+    """Every tensor within `gradient_tolerance` of the reference's."""
+    assert gradients.keys() == reference.keys(), f"{what}: {sorted(gradients.keys() ^ reference.keys())}"
+    for name, expected in reference.items():
+        tolerance = gradient_tolerance(expected, positions, hidden)
+        difference = (gradients[name] - expected).abs().max().item()
+        assert difference <= tolerance, f"{what} {name}: differs by {difference:.3g} > {tolerance:.3g}"
+
+
+def assert_equal_weights(folder: Path, reference_folder: Path, file: str = "model.safetensors") -> None:
+    state, reference = load_file(folder / file), load_file(reference_folder / file)
+    assert state.keys() == reference.keys(), f"tensor names differ: {sorted(state.keys() ^ reference.keys())}"
+    for name, value in reference.items():
+        assert torch.equal(state[name], value), f"{folder.name} vs {reference_folder}: {name} differs"
 
 
 def relative_differences(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -63,19 +80,6 @@ def relative_differences(state: dict[str, torch.Tensor], reference: dict[str, to
         name: ((state[name].double() - value.double()).norm() / value.double().norm().clamp(min=1e-12)).item()
         for name, value in reference.items()
     }
-
-
-def assert_within(differences: dict[str, float], rtol: float, what: str) -> None:
-    """Every relative difference within `rtol` (`ROUNDOFF_DOMINATED` tensors: within the larger of both)."""
-    excess = {name: difference / max(rtol, ROUNDOFF_DOMINATED.get(name, 0.0))
-              for name, difference in differences.items()}
-    worst = max(excess, key=excess.get)
-    assert excess[worst] <= 1, f"{what}: {worst} differs by {differences[worst]:.3g} (relative), over its tolerance"
-
-
-def assert_close_weights(folder, reference_folder, rtol: float, file: str = "model.safetensors") -> None:
-    differences = relative_differences(load_file(folder / file), load_file(reference_folder / file))
-    assert_within(differences, rtol, f"{folder.name} vs {reference_folder}")
 
 
 def assert_world_size(launch, name: str) -> None:
@@ -97,61 +101,78 @@ def assert_loads(folder) -> None:
     assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
 
 
-PRETRAIN_CASES = [
-    # (accelerate config fixture, run, weight rtol, eval-loss atol) against the single-process run of the same name
-    pytest.param(config, run, *tolerances, id=f"{config}-{run}")
-    for config, run, *tolerances in [
-        ("ddp", "pretrain_adamw", ADAMW_WEIGHTS_RTOL, ADAMW_LOSS_ATOL),
-        ("ddp", "pretrain_muon", MUON_WEIGHTS_RTOL, MUON_LOSS_ATOL),
-        ("zero2", "pretrain_adamw", ADAMW_WEIGHTS_RTOL, ADAMW_LOSS_ATOL),
-        ("zero3", "pretrain_adamw", ADAMW_WEIGHTS_RTOL, ADAMW_LOSS_ATOL),
-    ]
-]
+def assert_trained(launch, run: str, reference: dict) -> dict:
+    """Every rank set up the world size, the run trained on the reference's number of tokens and lowered the bpb."""
+    assert_world_size(launch, run)
+    metrics = launch.metrics(run)
+    assert metrics["initial_eval_bpb"] - metrics["eval_bpb"] >= MIN_BPB_DROP, metrics
+    assert metrics["num_input_tokens_seen"] == reference["num_input_tokens_seen"], "global batch differs"
+    return metrics
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, run, weights_rtol, loss_atol", PRETRAIN_CASES)
-def test_pretrain_equals_single_process_on_the_global_batch(request, reference, distributed_dir, config, run,
-                                                            weights_rtol, loss_atol):
+@pytest.mark.parametrize("run", ["pretrain_adamw", "pretrain_muon"])
+def test_ddp_pretrain_equals_single_process_bit_for_bit(ddp, reference, distributed_dir, run):
+    metrics = assert_trained(ddp, run, reference.metrics(run))
+    assert metrics["eval_loss"] == reference.metrics(run)["eval_loss"]
+    folder = distributed_dir / "ddp" / run
+    assert_loads(folder)
+    assert_equal_weights(folder, distributed_dir / "single" / run)
+    if run == "pretrain_adamw":
+        gradients = first_step_gradients(distributed_dir / "ddp", run)
+        expected = first_step_gradients(distributed_dir / "single", run)
+        assert gradients.keys() == expected.keys()
+        assert all(torch.equal(gradients[name], value) for name, value in expected.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, run", [("zero2", "pretrain_adamw"), ("zero3", "pretrain_adamw"),
+                                         ("zero2", "pretrain_muon"), ("zero3", "pretrain_muon")])
+def test_zero_pretrain_first_step_equals_single_process(request, reference, distributed_dir, config, run):
+    """The same weights and rows at step 1 in every setup (and in the AdamW and Muon runs): DeepSpeed's averaged
+    gradients are one process's up to the reduction order."""
     launch = request.getfixturevalue(config)
-    assert_world_size(launch, run)
-    metrics, single = launch.metrics(run), reference.metrics(run)
-    assert metrics["initial_eval_bpb"] - metrics["eval_bpb"] >= MIN_BPB_DROP, metrics
-    assert metrics["num_input_tokens_seen"] == single["num_input_tokens_seen"], "global batch differs"
-    assert metrics["eval_loss"] == pytest.approx(single["eval_loss"], abs=loss_atol)
+    assert_trained(launch, run, reference.metrics(run))
     folder = distributed_dir / config / run
     assert_loads(folder)
-    assert_close_weights(folder, distributed_dir / "single" / run, weights_rtol)
+    assert_gradients_close(first_step_gradients(distributed_dir / config, run),
+                           first_step_gradients(distributed_dir / "single", "pretrain_adamw"),
+                           PRETRAIN_POSITIONS, hidden_size(folder), f"{config} {run}")
 
 
 @pytest.mark.slow
-def test_muon_tolerance_can_tell(reference, distributed_dir):
-    """Half the global batch per step (a rank without the all-reduce) lands well outside the Muon tolerance."""
-    reference.metrics("pretrain_muon_half_batch")
+def test_gradient_tolerance_can_tell(reference, distributed_dir):
+    """The first step's gradients of half the global batch (4 rows, what a rank without the all-reduce steps with)
+    lie far outside the tolerance, in every weight matrix that has a gradient at step 1. The others are exactly zero
+    in every setup (the matrices that only reach the loss through a zero-initialised output projection: q/k/v, the
+    MLP's up_proj, the L3 key table and up_proj, the value embeddings and gates), which `assert_gradients_close`
+    checks with a tolerance of 0; the unit tests (tests/test_muon_ddp.py, test_muon_sharded_distributed.py) start
+    from non-zero weights everywhere."""
+    reference.metrics("pretrain_half_batch")
     single = distributed_dir / "single"
-    differences = relative_differences(load_file(single / "pretrain_muon_half_batch" / "model.safetensors"),
-                                       load_file(single / "pretrain_muon" / "model.safetensors"))
-    assert max(differences.values()) > 10 * MUON_WEIGHTS_RTOL, differences
+    half, full = first_step_gradients(single, "pretrain_half_batch"), first_step_gradients(single, "pretrain_adamw")
+    hidden = hidden_size(single / "pretrain_adamw")
+    checked = set()
+    for name, expected in full.items():
+        if expected.ndim == 2 and expected.any():
+            excess = (half[name] - expected).abs().max().item() / gradient_tolerance(expected, PRETRAIN_POSITIONS,
+                                                                                    hidden)
+            assert excess > 100, f"{name}: half the batch is only {excess:.3g}× the tolerance away"
+            checked.add(name.rsplit(".", 2)[-2])
+    assert {"embed_tokens", "o_proj", "down_proj", "mix_proj", "lm_head"} <= checked, checked
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
-def test_sharded_muon_equals_ddp(request, ddp, distributed_dir, config):
-    """Muon under ZeRO: each matrix orthogonalised whole, the DDP Muon run's weights and loss up to round-off; the
-    AdamW run of the same launch (what a silent fallback would train) lands far outside the tolerance."""
+def test_sharded_muon_is_not_a_silent_fallback(request, distributed_dir, config):
+    """Muon under ZeRO trains with Muon: the AdamW run of the same launch (what a silent fallback would train) ends
+    far from it (the sharded step itself equals DDP's: test_muon_sharded_distributed.py)."""
     launch = request.getfixturevalue(config)
-    assert_world_size(launch, "pretrain_muon")
-    metrics, reference = launch.metrics("pretrain_muon"), ddp.metrics("pretrain_muon")
-    assert metrics["initial_eval_bpb"] - metrics["eval_bpb"] >= MIN_BPB_DROP, metrics
-    assert metrics["num_input_tokens_seen"] == reference["num_input_tokens_seen"], "global batch differs"
-    assert metrics["eval_loss"] == pytest.approx(reference["eval_loss"], abs=SHARDED_MUON_LOSS_ATOL)
-    folder = distributed_dir / config / "pretrain_muon"
-    assert_loads(folder)
-    assert_close_weights(folder, distributed_dir / "ddp" / "pretrain_muon", SHARDED_MUON_WEIGHTS_RTOL)
-    launch.metrics("pretrain_adamw")
-    fallback = relative_differences(load_file(distributed_dir / config / "pretrain_adamw" / "model.safetensors"),
-                                    load_file(folder / "model.safetensors"))
-    assert max(fallback.values()) > 10 * MUON_WEIGHTS_RTOL, fallback
+    launch.metrics("pretrain_muon"), launch.metrics("pretrain_adamw")
+    folder = distributed_dir / config
+    fallback = relative_differences(load_file(folder / "pretrain_adamw" / "model.safetensors"),
+                                    load_file(folder / "pretrain_muon" / "model.safetensors"))
+    assert max(fallback.values()) > 0.5, fallback
 
 
 @pytest.mark.slow
@@ -171,11 +192,13 @@ def test_resume_from_checkpoint_continues_identically(request, distributed_dir, 
         digests = [json.loads((distributed_dir / config / name / "metadata.json").read_text())["data"]
                    for name in (run, f"{run}_resumed")]
         assert digests[0]["train_tokens_sha256"] == digests[1]["train_tokens_sha256"]
-    assert resumed["eval_loss"] == pytest.approx(uninterrupted["eval_loss"], rel=RESUME_RTOL)
+    # The checkpoint holds the exact weights, optimizer state and stream position: the same code path from there
+    assert resumed["eval_loss"] == uninterrupted["eval_loss"]
+    assert_equal_weights(distributed_dir / config / f"{run}_resumed", distributed_dir / config / run)
     # The resumed session trained steps 11-20 with the same per-step losses; its train_loss covers the whole run
-    # (the loss of steps 1-10 comes from the checkpoint's hfl3_run.json), as the uninterrupted run's does
-    assert resumed["train_loss"] == pytest.approx(uninterrupted["train_loss"], rel=RESUME_RTOL)
-    assert_close_weights(distributed_dir / config / f"{run}_resumed", distributed_dir / config / run, RESUME_RTOL)
+    # (the loss of steps 1-10 comes from the checkpoint's hfl3_run.json), as the uninterrupted run's does, but adds
+    # the 20 positive float32 step losses in another grouping: within (20 - 1)·eps relative (Higham §4.2)
+    assert resumed["train_loss"] == pytest.approx(uninterrupted["train_loss"], rel=PRETRAIN_STEPS * FLOAT32_EPS)
 
 
 @pytest.mark.slow
@@ -192,28 +215,32 @@ def test_ddp_ranks_train_on_disjoint_rows(ddp):
 @pytest.mark.slow
 def test_zero3_saved_model_loads_in_a_fresh_process(zero3, distributed_dir):
     """ZeRO-3 holds each weight in pieces across the ranks; `save_model` on every rank gathers them. A new process
-    (no DeepSpeed state) loads the folder and finds the trained weights of the single-process run."""
+    (no DeepSpeed state) loads the folder: every weight whole (the single-process run's shapes), the saved values,
+    and no rank's piece missing (the rows rank 1 held are not left at zero)."""
     zero3.metrics("pretrain_adamw")
     code = (
         "import json, sys, torch, hfl3\n"
         "from safetensors.torch import load_file\n"
         "from transformers import AutoModelForCausalLM\n"
         "model, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)\n"
-        "reference = load_file(sys.argv[2])\n"
+        "saved = load_file(sys.argv[1] + '/model.safetensors')\n"
         "state = model.state_dict()\n"
-        "differences = {k: ((state[k].double() - v.double()).norm() / v.double().norm()).item() "
-        "for k, v in reference.items()}\n"
-        "print(json.dumps({'info': {k: sorted(map(str, v)) for k, v in info.items()}, 'differences': differences}))\n"
+        "equal = {k: bool(torch.equal(state[k], v)) for k, v in saved.items()}\n"
+        "shapes = {k: list(v.shape) for k, v in state.items()}\n"
+        "second_halves = {k: bool(v.flatten()[v.numel() // 2:].any()) for k, v in state.items()}\n"
+        "print(json.dumps({'info': {k: sorted(map(str, v)) for k, v in info.items()}, 'equal': equal, "
+        "'shapes': shapes, 'second_halves': second_halves}))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(distributed_dir / "zero3" / "pretrain_adamw"),
-         str(distributed_dir / "single" / "pretrain_adamw" / "model.safetensors")],
-        capture_output=True, text=True, timeout=300,
-    )
+    result = subprocess.run([sys.executable, "-c", code, str(distributed_dir / "zero3" / "pretrain_adamw")],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert not any(report["info"].values()), report["info"]
-    assert_within(report["differences"], ADAMW_WEIGHTS_RTOL, "zero3 pretrain_adamw loaded")
+    assert all(report["equal"].values()), report["equal"]
+    single = load_file(distributed_dir / "single" / "pretrain_adamw" / "model.safetensors")
+    assert {name: list(value.shape) for name, value in single.items()} == \
+        {name: report["shapes"][name] for name in single}
+    assert all(report["second_halves"][name] for name in single), report["second_halves"]
 
 
 @pytest.mark.slow
@@ -224,22 +251,27 @@ def test_pretrain_stops_when_accelerate_sets_up_world_size_1(ddp_without_use_cpu
     assert len(records) == WORLD_SIZE
     for record in records:
         assert record["world_size"] == 1, record
-        expected = "RuntimeError: 2 processes were launched but accelerate set up world size 1"
+        expected = "LaunchError: 2 processes were launched but accelerate set up world size 1"
         assert record["error"].startswith(expected), record["error"]
-        assert "--use_cpu" in record["error"] and "--ddp_backend gloo" in record["error"]
+        assert "--use_cpu" in record["error"] and "multi_cpu_ddp.yaml" in record["error"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["ddp", "zero2", "zero3"])
-def test_sft_lora_equals_single_process_on_the_global_batch(request, reference, sft_base, distributed_dir, config):
+def test_sft_lora_first_step_equals_single_process(request, reference, sft_base, distributed_dir, config):
+    """The first step's adapter gradients (2 processes x 2 chats against 1 x 4, the same chats) within the
+    tolerance; the run lowers the eval loss and its adapter loads with the saved values."""
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     launch = request.getfixturevalue(config)
     assert_world_size(launch, "sft_lora")
-    metrics, single = launch.metrics("sft_lora"), reference.metrics("sft_lora")
+    metrics = launch.metrics("sft_lora")
+    reference.metrics("sft_lora")
     assert metrics["eval_loss"] < metrics["eval_before_loss"], metrics
-    assert metrics["eval_loss"] == pytest.approx(single["eval_loss"], abs=SFT_LOSS_ATOL)
+    assert_gradients_close(first_step_gradients(distributed_dir / config, "sft_lora"),
+                           first_step_gradients(distributed_dir / "single", "sft_lora"),
+                           SFT_POSITIONS, hidden_size(sft_base), f"{config} sft_lora")
     folder = distributed_dir / config / "sft_lora"
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sft_base), folder)
     saved = load_file(folder / "adapter_model.safetensors")
@@ -247,8 +279,6 @@ def test_sft_lora_equals_single_process_on_the_global_batch(request, reference, 
     assert lora_b and all(saved[name].abs().max() > 0 for name in lora_b), "LoRA B still at its zero init"
     loaded = get_peft_model_state_dict(model)
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[name], saved[name]) for name in saved)
-    assert_close_weights(folder, distributed_dir / "single" / "sft_lora", SFT_ADAPTER_RTOL,
-                         file="adapter_model.safetensors")
 
 
 @pytest.mark.gpu

@@ -25,6 +25,8 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from hfl3.callbacks import BeforeLogSaveEvaluate
 
+from .launch import LaunchError
+
 logger = logging.getLogger(__name__)
 
 
@@ -196,9 +198,14 @@ class NonFiniteGuard:
 @contextlib.contextmanager
 def exit_on_training_error(prog: str | None = None) -> Iterator[None]:
     """Around a recipe's `main(...)`: a `NonFiniteTrainingError` ends the program with `PROG: error: <message>` on
-    stderr and exit status 1 instead of a traceback (argument errors exit with 2, `parse_recipe_args`)."""
+    stderr and exit status 1 instead of a traceback; a `LaunchError` (a distributed setup accelerate replaced,
+    `hfl3.trainers.launch.check_launch`) with exit status 2, as argument errors (`parse_recipe_args`). Every rank
+    prints its message (the same on each): the launcher stops the others as soon as one exits, so a message left to
+    rank 0 alone could be cut off."""
     try:
         yield
-    except NonFiniteTrainingError as error:
-        print(f"{prog or os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    except (NonFiniteTrainingError, LaunchError) as error:
+        # one write of the whole line: the ranks of a launch print at the same moment into one unbuffered stream
+        sys.stderr.write(f"{prog or os.path.basename(sys.argv[0])}: error: {error}\n")
+        sys.stderr.flush()
+        sys.exit(2 if isinstance(error, LaunchError) else 1)

@@ -52,27 +52,89 @@ def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
         parser.error(str(error))
 
 
-def check_world_size(training_args) -> int:
-    """Log the world size and fail when it differs from the number of processes `accelerate launch` started.
+# The distributed types of a process that FSDP runs in: accelerate 1.15 turns FSDP on (`AcceleratorState.__init__`,
+# accelerate/state.py) only for the multi-device accelerator types, and then records "FSDP" as the type (which a
+# second run in the same process reads). For CPU processes (MULTI_CPU, NO) it silently leaves FSDP off.
+FSDP_DISTRIBUTED_TYPES = frozenset({"FSDP", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+                                    "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON"})
+CPU_DDP = "on a CPU machine use accelerate_configs/multi_cpu_ddp.yaml with --use_cpu (DDP over gloo)"
 
-    Without CUDA, accelerate 1.15 sets up a multi-GPU config as one process group per process (world size 1 each),
-    so every process would train alone on the full data and write the same output folder; DESIGN.md "Known traps".
+
+class LaunchError(RuntimeError):
+    """The processes that `accelerate launch` started are not set up as its config file asks; the message names
+    the config and the fix. A launched recipe ends with it as one line and exit status 2
+    (`hfl3.trainers.guards.exit_on_training_error`)."""
+
+
+def launch_problem(requested: str, distributed_type: str, world_size: int, launched: int) -> str | None:
+    """What is wrong with a launch, or None when accelerate set up what was asked for.
 
     Args:
-        training_args: the recipe's `TrainingArguments` (`world_size`, `parallel_mode`).
+        requested: what the launch asked for: `"fsdp"` (an FSDP config, `ACCELERATE_USE_FSDP`, or `--fsdp`),
+            `"deepspeed"` (a DeepSpeed config or `--deepspeed`), or `"ddp"` (anything else; DDP when several
+            processes were launched).
+        distributed_type: the `accelerate.DistributedType` value that accelerate set up in this process
+            (`"NO"`, `"MULTI_CPU"`, `"MULTI_GPU"`, `"DEEPSPEED"`, ...).
+        world_size: the number of processes in the process group that was set up.
+        launched: the number of processes the launcher started (`WORLD_SIZE`, 1 without a launcher).
+
+    Returns:
+        A one-line message naming what was set up instead and the fix, or None.
+    """
+    if requested == "fsdp" and distributed_type not in FSDP_DISTRIBUTED_TYPES:
+        instead = {"MULTI_CPU": "plain DDP", "NO": "separate processes without FSDP"}.get(distributed_type,
+                                                                                       distributed_type)
+        return (f"FSDP (accelerate_configs/fsdp2.yaml) was launched but accelerate set up {instead} "
+                f"(distributed type {distributed_type}): accelerate 1.15 shards with FSDP only on GPUs; {CPU_DDP}, "
+                "or run fsdp2.yaml on a CUDA machine")
+    if launched != world_size:
+        fix = ("add --ddp_backend gloo" if requested == "deepspeed" else
+               "add --use_cpu (DDP over gloo, accelerate_configs/multi_cpu_ddp.yaml)")
+        return (f"{launched} processes were launched but accelerate set up world size {world_size}: each would train "
+                f"alone on all the data and write the same output folder; on a CPU machine {fix}")
+    if world_size > 1 and distributed_type == "NO":
+        return (f"{launched} processes were launched but accelerate set them up without DDP (distributed type NO): "
+                f"no gradient all-reduce, each process would train its own copy; {CPU_DDP} (--ddp_backend gloo "
+                "alone does not set up DDP without CUDA)")
+    return None
+
+
+def check_launch(training_args) -> int:
+    """Log the distributed setup and refuse one that is not what was launched, before any data or model work.
+
+    On a machine without CUDA, accelerate 1.15 silently sets up something else than some launches ask for (each file
+    of accelerate_configs/ launched on a CPU machine, with and without --use_cpu / --ddp_backend gloo; dev/LOG.md,
+    2026-11-24): fsdp2.yaml trains as plain DDP with --use_cpu, as unsynchronised copies with --ddp_backend gloo, and
+    as separate single processes without either; a multi-process config without a CPU flag gives each process world
+    size 1 (each would train alone on all the data and write the same output folder); multi_gpu.yaml /
+    multi_cpu_ddp.yaml with --ddp_backend gloo instead of --use_cpu form a world of 2 without DDP (no gradient
+    all-reduce). zero2/zero3.yaml run DeepSpeed with --ddp_backend gloo and with --use_cpu alike.
+
+    Args:
+        training_args: the recipe's `TrainingArguments`, parsed (`distributed_state`, `world_size`, `fsdp`,
+            `deepspeed`, `parallel_mode`).
 
     Returns:
         The world size.
 
     Raises:
-        RuntimeError: `WORLD_SIZE` (set by the launcher) differs from `training_args.world_size`.
+        LaunchError: the setup differs from the launch (`launch_problem`'s message).
     """
-    logger.info("world size %d (%s)", training_args.world_size, training_args.parallel_mode)
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != training_args.world_size:
-        raise RuntimeError(
-            f"{launched} processes were launched but accelerate set up world size {training_args.world_size}: on a "
-            "CPU machine add --use_cpu (DDP, accelerate_configs/multi_cpu_ddp.yaml) or --ddp_backend gloo "
-            "(DeepSpeed zero2/zero3.yaml)"
-        )
+    distributed_type = training_args.distributed_state.distributed_type.value
+    logger.info("world size %d (%s, accelerate distributed type %s)", training_args.world_size,
+                training_args.parallel_mode, distributed_type)
+    if _flag("ACCELERATE_USE_FSDP") or training_args.fsdp:
+        requested = "fsdp"
+    elif _flag("ACCELERATE_USE_DEEPSPEED") or training_args.deepspeed:
+        requested = "deepspeed"
+    else:
+        requested = "ddp"
+    problem = launch_problem(requested, distributed_type, training_args.world_size,
+                             int(os.environ.get("WORLD_SIZE", "1")))
+    if problem:
+        raise LaunchError(problem)
     return training_args.world_size
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")

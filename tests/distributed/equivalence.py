@@ -1,0 +1,71 @@
+"""Shared by the tests that compare a multi-process setup (DDP, FSDP2, DeepSpeed ZeRO) with one process: gloo ranks
+spawned so that they end cleanly (`spawn_gloo_ranks`), and the float32 tolerance of an averaged gradient
+(`gradient_tolerance`)."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+FLOAT32_EPS = torch.finfo(torch.float32).eps  # 2**-23
+
+
+def spawn_gloo_ranks(function, world_size: int, store_path, *args) -> None:
+    """Run `function(rank, *args)` in `world_size` spawned processes joined in one gloo process group (file store at
+    `store_path`, 1 thread each, as torchrun sets), and raise the first rank's exception if any.
+
+    A rank that returns waits at a barrier for all the others (no rank leaves while a collective it takes part in is
+    in flight), destroys the process group and ends with `os._exit(0)`, without finalizing the interpreter. Once a
+    DTensor or a DeviceMesh was used (FSDP2, the sharded Muon step), torch 2.13 keeps the gloo process group
+    referenced past `destroy_process_group`: its threads (`pt_gloo_runloop`, `gloo_tcp_loop`) are still running while
+    the interpreter finalizes (after a plain all-reduce they are joined). A gloo thread that takes the GIL then, to
+    drop a Python object when it finishes a collective a moment after the rank's main thread moved on, is ended by
+    Python 3.11 with `pthread_exit`, whose forced unwind through a noexcept frame calls `std::terminate`: "terminate
+    called without an active exception", the rank dies of SIGABRT (the gdb backtrace and the repetitions are in
+    dev/LOG.md, 2026-11-24). A rank that raises exits as `mp.spawn` makes it, after writing its traceback, which the
+    parent raises.
+    """
+    mp.spawn(_run_rank, args=(world_size, str(store_path), function, args), nprocs=world_size, join=True)
+
+
+def _run_rank(rank: int, world_size: int, store_path: str, function, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    function(rank, *args)
+    dist.barrier()  # no rank closes its connections while another still waits in a collective on it
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def gradient_tolerance(gradient: torch.Tensor, positions: int, hidden_size: int) -> float:
+    """How far two float32 computations of one averaged gradient may differ when they add the same terms in another
+    order.
+
+    Each element of a gradient is a float32 sum of n terms: over the token `positions` of the global batch for a
+    weight matrix, an embedding, an L3 table or a LoRA factor, and over positions·hidden_size for a scalar that
+    multiplies a whole (B, T, hidden) activation (the resid/x0/smear/backout lambdas). One process adds the rows of
+    the batch inside one batched kernel; DDP adds each rank's rows, then the all-reduce adds the ranks' sums (FSDP2's
+    reduce-scatter and DeepSpeed's buckets in their own orders). A float32 sum computed in any order is within
+    u·Σ|partial sums| ≤ (n-1)·u·S of the exact sum (Higham, Accuracy and Stability of Numerical Algorithms,
+    2nd ed., §4.2, eq. 4.3; u = eps/2 = 2**-24, S the largest partial sum), so two orders are within (n-1)·eps·S of
+    each other. S is taken as the tensor's largest gradient element: the terms of these tensors do not cancel to much
+    less than that (measured on tests/test_muon_ddp.py's model, 3 steps, on a 2-core AMD EPYC: differences
+    ≤ 6.4·eps·S for the matrices, 30× inside their bound of 192·eps·S; 35·eps·S for the resid/x0 lambdas and
+    1,980·eps·S for backout_lambda, whose gradient cancels most, 12× inside their bound of 24,576·eps·S). A tensor
+    whose gradient is pure round-off (the backout scalar of a depth-2 L3GPT, which the final RMSNorm cancels) has no
+    such bound: the tests use depth 3.
+
+    Args:
+        gradient (`torch.Tensor`): the reference gradient of one parameter.
+        positions: token positions in the global batch (rows × sequence length).
+        hidden_size: the model's hidden size.
+
+    Returns:
+        The tolerance n·eps·S, in the gradient's units.
+    """
+    terms = positions if gradient.ndim >= 2 else positions * hidden_size
+    return terms * FLOAT32_EPS * gradient.abs().max().item()
