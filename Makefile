@@ -25,8 +25,11 @@ demo: $(STAMP)
 		--config recipes/configs/sft_demo.yaml --overwrite_output_dir; \
 	rc=$$?; echo "make demo: $$(( $$(date +%s) - start )) s elapsed after installation (exit $$rc)"; exit $$rc
 
+# Two pytest-xdist workers: on 2 cores one runs while the other waits on a launched process's imports; each module's
+# tests stay in one worker, and the multi-process tests share one (tests/conftest.py, xdist_group). TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	@start=$$(date +%s); $(BIN)/pytest -q; \
+	@start=$$(date +%s); $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup; \
 	rc=$$?; echo "make test: $$(( $$(date +%s) - start )) s elapsed after installation (exit $$rc)"; exit $$rc
 
 test-distributed: $(STAMP)

@@ -2,7 +2,7 @@
 
     # the demo (Python stdlib sources, L3 on, ~8 minutes on 2 CPU cores)
     accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain.py --config recipes/configs/demo.yaml
-    # the Gutenberg novels in ../shared/assets/text, Muon
+    # three Gutenberg novels (recipes/configs/gutenberg.yaml), Muon
     accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain.py \
         --config recipes/configs/gutenberg.yaml --optim muon
     # one GPU
