@@ -38,6 +38,7 @@ class Profile:
     device: str
     nanochat_dir: str | None = None
     work_dir: str = "outputs/gpu_suite"
+    profile_dir: str | None = None  # the pretraining arms write <arm>_profile.txt here (vs_nanochat.StepProfiler)
 
     @property
     def gpu(self) -> bool:
@@ -110,7 +111,7 @@ ONE_STEP = dict(steps=1, warmup_steps=1)
 def _vs_nanochat_arms(profile: Profile, sizes: dict, arms: list[str], report, rows_of) -> dict:
     args = vs_nanochat.VsNanochatArguments(
         nanochat_dir=profile.nanochat_dir, arms=arms, compile=profile.compile, bf16=True,
-        dataloader_num_workers=2 if profile.gpu else 0, **sizes)
+        dataloader_num_workers=2 if profile.gpu else 0, profile_dir=profile.profile_dir, **sizes)
     results = each_arm(args.arms, lambda arm: vs_nanochat.main(replace(args, arms=[arm]))["results"][0], report,
                        rows_of)
     recorded = asdict(args) | {"nanochat_dir": shown_path(args.nanochat_dir)}

@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time_limit_s", type=float, default=None,
                         help="whole-run limit; a section's share is cut to what is left (default: 25 minutes on a "
                              "GPU, none on a CPU)")
+    parser.add_argument("--profile", action="store_true",
+                        help="the pretraining arms also profile 3 steps after their timed window (torch.profiler) "
+                             "and write <arm>_profile.txt into --out_dir")
     parser.add_argument("--resume", action="store_true", help="keep the sections already done in the JSON")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, compile off: does every section run?")
@@ -236,7 +239,8 @@ def run(args: argparse.Namespace) -> dict:
     name = "smoke" if args.smoke else "dry_run" if args.dry_run else "gpu"
     nanochat = args.nanochat_dir if Path(args.nanochat_dir, "nanochat", "gpt.py").is_file() else None
     profile = Profile(name=name, device="cuda" if name == "gpu" else "cpu", nanochat_dir=nanochat,
-                      work_dir=str(REPO / "outputs" / "gpu_suite"))
+                      work_dir=str(REPO / "outputs" / "gpu_suite"),
+                      profile_dir=str(Path(args.out_dir).resolve()) if args.profile else None)
     if args.smoke:
         common.START_METHOD = "fork"  # nothing computed in this process yet: forking skips ~7 s per process
         preload()

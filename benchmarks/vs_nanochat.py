@@ -67,6 +67,7 @@ AO_ENVIRONMENT = {"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND":
 GPU_SIZES = dict(depth=12, seq_len=2048, batch_size=16, vocab_size=32768, head_dim=128, steps=20, warmup_steps=10)
 CPU_SIZES = dict(depth=2, seq_len=128, batch_size=4, vocab_size=2048, head_dim=64, steps=5, warmup_steps=2)
 BOS = 0
+PROFILE_STEPS = 3  # steps profiled after the timed window with --profile_dir
 
 
 @dataclass
@@ -88,6 +89,9 @@ class VsNanochatArguments:
     steps: int | None = field(default=None, metadata={"help": "timed steps (default 20 on CUDA, 5 on CPU)"})
     warmup_steps: int | None = field(default=None, metadata={"help": "untimed steps first (compilation), >= 1"})
     json: str | None = field(default=None, metadata={"help": "write the results here (JSON)"})
+    profile_dir: str | None = field(default=None, metadata={
+        "help": f"profile {PROFILE_STEPS} more steps after each arm's timed window (torch.profiler) and write "
+                "<arm>_profile.txt here"})
 
     def __post_init__(self):
         cuda = torch.cuda.is_available()
@@ -155,15 +159,62 @@ class Window:
             self.seconds = now - self.start
 
 
+class StepProfiler:
+    """torch.profiler over steps `first + 1 … last` when `directory` is set (the arms profile `PROFILE_STEPS` steps
+    after their timed window, so the window is not slowed); then writes `<arm>_profile.txt`: per step, the device
+    events (kernels, copies), the host-device synchronisations and copies, then the 40 ops with the most device
+    time."""
+
+    def __init__(self, directory: str | None, arm: str, first: int, last: int):
+        self.directory, self.arm, self.first, self.last = directory, arm, first, last
+        self.profiler = None
+
+    def tick(self, step: int) -> None:
+        if self.directory is None:
+            return
+        if step == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+        elif step == self.last and self.profiler is not None:
+            synchronize()
+            self.profiler.__exit__(None, None, None)
+            self.write()
+
+    def write(self) -> None:
+        from collections import Counter
+
+        steps = self.last - self.first
+        events = self.profiler.events()
+        kernels = Counter(e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        host = Counter(e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU)
+        syncs = {name: count for name, count in host.items()
+                 if any(key in name for key in ("Synchronize", "Memcpy", "_local_scalar_dense", "aten::item",
+                                                 "aten::nonzero", "cudaHostAlloc", "cudaMalloc"))}
+        lines = [f"{self.arm}: {steps} profiled steps", f"device events per step: {sum(kernels.values()) / steps:.0f} "
+                 f"({len(kernels)} distinct)", "host syncs and copies per step:"]
+        lines += [f"  {count / steps:8.1f}  {name}" for name, count in sorted(syncs.items(), key=lambda kv: -kv[1])]
+        lines.append("device events per step, most frequent:")
+        lines += [f"  {count / steps:8.1f}  {name[:140]}" for name, count in kernels.most_common(25)]
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        lines.append(self.profiler.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90))
+        Path(self.directory).mkdir(parents=True, exist_ok=True)
+        (Path(self.directory) / f"{self.arm}_profile.txt").write_text("\n".join(lines) + "\n")
+
+
 class WindowCallback(TrainerCallback):
-    def __init__(self, window: Window):
-        self.window = window
+    def __init__(self, window: Window, profiler: StepProfiler | None = None):
+        self.window, self.profiler = window, profiler
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.window.begin()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.window.tick(state.global_step)
+        if self.profiler is not None:
+            self.profiler.tick(state.global_step)
 
 
 def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
@@ -180,7 +231,8 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
 
     change = HFL3_ARMS[arm]
     total = args.warmup_steps + args.steps
-    rows = zipf_rows(args, total * args.batch_size, args.seq_len)
+    profiled = PROFILE_STEPS if args.profile_dir else 0
+    rows = zipf_rows(args, (total + profiled) * args.batch_size, args.seq_len)
     config = L3GPTConfig.from_depth(
         args.depth, vocab_size=args.vocab_size, head_dim=args.head_dim, max_position_embeddings=args.seq_len,
         window_pattern=args.window_pattern, bos_token_id=BOS, attn_implementation=args.attn_implementation,
@@ -201,7 +253,7 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
         fp8.convert_to_float8_training(model, recipe=recipe)
     window = Window(args.warmup_steps, total)
     training_args = PretrainConfig(
-        output_dir=output_dir, max_steps=total, per_device_train_batch_size=args.batch_size, optim="muon",
+        output_dir=output_dir, max_steps=total + profiled, per_device_train_batch_size=args.batch_size, optim="muon",
         bf16=args.bf16 and recipe != "ao", torch_compile=args.compile, warmup_steps=2, eval_strategy="no",
         report_to="none", logging_steps=args.steps, disable_tqdm=True, attend_across_documents=True,
         dataloader_num_workers=args.dataloader_num_workers, save_strategy="no",
@@ -212,7 +264,8 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
     trainer = L3GPTTrainer(
         model=model, args=training_args, train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
         data_collator=PackedCollator(BOS, attend_across_documents=True),
-        callbacks=[WindowCallback(window), ThroughputCallback(fpt, warmup_steps=args.warmup_steps),
+        callbacks=[WindowCallback(window, StepProfiler(args.profile_dir, arm, total, total + profiled)),
+                   ThroughputCallback(fpt, warmup_steps=args.warmup_steps),
                    LossPlotCallback(("loss",))],
     )
     trainer.train()
@@ -247,16 +300,19 @@ def run_nanochat(args: VsNanochatArguments) -> dict:
     if args.compile:
         model = torch.compile(model, dynamic=False)
     total = args.warmup_steps + args.steps
-    rows = torch.from_numpy(zipf_rows(args, total * args.batch_size, args.seq_len + 1)).to(device)
+    profiled = PROFILE_STEPS if args.profile_dir else 0
+    rows = torch.from_numpy(zipf_rows(args, (total + profiled) * args.batch_size, args.seq_len + 1)).to(device)
     window = Window(args.warmup_steps, total)
+    profiler = StepProfiler(args.profile_dir, "nanochat", total, total + profiled)
     window.begin()
-    for step in range(total):
+    for step in range(total + profiled):
         batch = rows[step * args.batch_size : (step + 1) * args.batch_size]
         loss = model(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
         loss.backward()
         optimizer.step()
         model.zero_grad(set_to_none=True)
         window.tick(step + 1)
+        profiler.tick(step + 1)
     return dict(flops_per_token=fpt, seconds=window.seconds, first_step_seconds=window.first_step_seconds,
                 dense_parameters=parameters, table_parameters=0, precision=str(COMPUTE_DTYPE).removeprefix("torch."),
                 attention="fa3" if flash_attention.USE_FA3 else "sdpa (nanochat's fallback)")
