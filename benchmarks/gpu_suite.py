@@ -159,12 +159,15 @@ def check_environment(profile: Profile, nanochat_dir: str) -> dict:
 
 
 def source_commit() -> str:
-    """The checkout's commit (`git describe --always --dirty`), else `HFL3_COMMIT`, else "unknown"."""
+    """`HFL3_COMMIT` when set (a copied checkout's `.git` can be older than its files: the device tool's copy was),
+    else the checkout's commit (`git describe --always --dirty`), else "unknown"."""
+    if os.environ.get("HFL3_COMMIT"):
+        return os.environ["HFL3_COMMIT"]
     try:
         return subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("HFL3_COMMIT") or "unknown (no .git here: set HFL3_COMMIT)"
+        return "unknown (no .git here: set HFL3_COMMIT)"
 
 
 def device_slug(device: str, profile: Profile) -> str:
