@@ -182,3 +182,28 @@ def test_liger_equals_chunked_and_plain_on_cuda(dtype, softcap):
         torch.testing.assert_close(value, expected, **tolerance)
         for grad, expected_grad in zip(grads, expected_grads):
             torch.testing.assert_close(grad, expected_grad, **tolerance)
+
+
+@pytest.mark.gpu
+def test_compiled_training_step_with_liger_equals_eager_chunked_on_cuda():
+    """A compiled L3GPT forward + backward through Liger's loss (run outside the graph) gives the eager plain loss
+    (full float32 logits) and its gradients, with ignored targets in the batch: Liger traced by `torch.compile`
+    crashed on an H100 and is reported upstream to return a wrong loss when some targets are ignored."""
+    pytest.importorskip("liger_kernel")
+    model = tiny_l3gpt(vocab_size=1024).cuda()
+    ids = torch.randint(0, 1024, (4, 64), device="cuda")
+    labels = ids.masked_fill(torch.rand(ids.shape, device="cuda") < 0.25, -100)
+
+    def loss_and_grads(forward, **kwargs):
+        model.zero_grad(set_to_none=True)
+        loss = forward(ids, labels=labels, **kwargs).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    compiled, compiled_grads = loss_and_grads(torch.compile(model))
+    eager, eager_grads = loss_and_grads(model, return_logits=True)
+    tolerance = dict(rtol=1e-4, atol=1e-5)  # float32, different reduction orders
+    torch.testing.assert_close(compiled, eager, **tolerance)
+    assert len(compiled_grads) == len(eager_grads)
+    for got, expected in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(got, expected, **tolerance)

@@ -1,7 +1,8 @@
 """Linear + logit softcap + cross-entropy without materialising the `(rows, vocab)` float32 logits.
 
 `linear_cross_entropy` runs Liger-Kernel's fused kernel (`liger_fused_linear_cross_entropy`, softcap included) on
-CUDA when `liger_kernel` is importable, and `chunked_linear_cross_entropy` elsewhere: rows in chunks, each chunk's
+CUDA when `liger_kernel` is importable — always outside `torch.compile` graphs (`liger_linear_cross_entropy`) — and
+`chunked_linear_cross_entropy` elsewhere: rows in chunks, each chunk's
 logits computed, turned into the gradients wrt the hidden states and the weight, and freed, so the extra memory is
 one chunk's `(chunk_size, vocab)` float32 plus the weight gradient — Liger's scheme (gradients computed in the
 forward pass), in PyTorch. The chunked function is a `torch.library` custom op (its backward scales the gradients it
@@ -169,7 +170,7 @@ def linear_cross_entropy(
         return_predictions: also return each row's argmax token (after the softcap).
         backend: `"chunked"` (`chunked_linear_cross_entropy`, a custom op that `torch.compile` keeps in the graph),
             `"liger"` (Liger's `liger_fused_linear_cross_entropy` with `reduction="sum"` and its `softcap`; CUDA;
-            traced by `torch.compile` as Liger's own autograd function) or `"auto"`: Liger when
+            run eagerly inside compiled models, see `liger_linear_cross_entropy`) or `"auto"`: Liger when
             `liger_applies(hidden)` and no predictions are asked for, else chunked.
 
     Returns:
@@ -188,12 +189,7 @@ def whole_weight_cross_entropy(hidden, weight, targets, softcap, ignore_index, c
                                backend):
     """`linear_cross_entropy` once the backend is chosen and `weight` is whole."""
     if backend == "liger":
-        functional = importlib.import_module("liger_kernel.transformers.functional")
-        dtype = compute_dtype(hidden, weight)
-        result = functional.liger_fused_linear_cross_entropy(
-            hidden.to(dtype), weight.to(dtype), targets, ignore_index=ignore_index, reduction="sum", softcap=softcap,
-        )
-        return getattr(result, "loss", result).float(), None  # newer Liger may return a CrossEntropyOutput
+        return liger_linear_cross_entropy(hidden, weight, targets, softcap, ignore_index), None
     if chunk_size is None:
         chunk_size = max(1, CHUNK_BYTES // (4 * weight.shape[0]))
     grad_on = torch.is_grad_enabled()
@@ -203,6 +199,25 @@ def whole_weight_cross_entropy(hidden, weight, targets, softcap, ignore_index, c
         return_predictions,
     )
     return nll_sum, predictions if return_predictions else None
+
+
+@torch.compiler.disable
+def liger_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                               softcap: float | None, ignore_index: int) -> torch.Tensor:
+    """Liger's `liger_fused_linear_cross_entropy` (`reduction="sum"`) in the compute dtype: the float32 summed NLL.
+
+    Never traced by `torch.compile` (a graph break; Liger's Triton kernels gain nothing from Inductor): dynamo traced
+    into `LigerFusedLinearCrossEntropyFunction.forward`, failed to wrap its kernel and compiled the chunk slicing around
+    it, and the first compiled hfl3 step on an H100 died with "an illegal memory access" (torch 2.11, Triton 3.6,
+    liger-kernel 0.8.5; dev/LOG.md 2026-11-26). Upstream reports the same crash (linkedin/Liger-Kernel issue 916) and a
+    silently wrong loss under `torch.compile` whenever a target is `ignore_index` (linkedin/Liger-Kernel PR 1338).
+    """
+    functional = importlib.import_module("liger_kernel.transformers.functional")
+    dtype = compute_dtype(hidden, weight)
+    result = functional.liger_fused_linear_cross_entropy(
+        hidden.to(dtype), weight.to(dtype), targets, ignore_index=ignore_index, reduction="sum", softcap=softcap,
+    )
+    return getattr(result, "loss", result).float()  # newer Liger may return a CrossEntropyOutput
 
 
 @torch.compiler.disable
