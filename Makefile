@@ -41,21 +41,24 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/l3_forward.py --json benchmarks/results/l3_forward_cpu.json
 
-# bench-gpu: every owed GPU measurement in one command on a GPU machine (benchmarks/gpu_suite.py, benchmarks/README.md).
-# It does not build .venv: the GPU image has torch; the wheels it lacks come from .whl/ (bench-gpu-prepare), installed
-# into build/site when there is no .venv. Extra flags: make bench-gpu BENCH_GPU_ARGS="--sections pretrain --out_dir X".
+# bench-gpu: one device call (<= 540 s) of the GPU measurements still owed, most important first (benchmarks/gpu_suite.py,
+# benchmarks/README.md). It does not build .venv: the GPU image has torch; the wheels it lacks come from .whl/
+# (bench-gpu-prepare), installed into build/site when there is no .venv. Extra flags: make bench-gpu
+# BENCH_GPU_ARGS="--sections pretrain --out_dir X". BENCH_GPU_MODE=--smoke runs the same command on a CPU, tiny.
 BENCH_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 BENCH_GPU_ARGS ?=
+BENCH_GPU_MODE ?=
 bench-gpu:
 	@if [ ! -d $(VENV) ] && ls .whl/*.whl >/dev/null 2>&1; then \
 		$(BENCH_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 			--target build/site .whl/*.whl || exit 1; fi
 	PYTHONPATH=$(CURDIR)/build/site:$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
 	HFL3_ASSETS=$${HFL3_ASSETS:-$(if $(wildcard build/assets),$(CURDIR)/build/assets,)} \
-		$(BENCH_PYTHON) benchmarks/gpu_suite.py --nanochat_dir build/nanochat $(BENCH_GPU_ARGS)
+		$(BENCH_PYTHON) benchmarks/gpu_suite.py --nanochat_dir build/nanochat $(BENCH_GPU_ARGS) $(BENCH_GPU_MODE)
 
 # bench-gpu-prepare NANOCHAT_DIR=<a karpathy/nanochat checkout>: where PyPI is reachable, fills the git-ignored .whl/,
-# build/nanochat and (for assets tests/fixtures lacks) build/assets that bench-gpu needs on the GPU machine.
+# build/nanochat and (for assets tests/fixtures lacks) build/assets that bench-gpu needs on the GPU machine, and prints
+# the device call to make (command, carry, timeout_s; what travels checked against 64 MiB).
 bench-gpu-prepare: $(STAMP)
 	@test -n "$(NANOCHAT_DIR)" || { echo "make bench-gpu-prepare: set NANOCHAT_DIR to a karpathy/nanochat checkout"; exit 2; }
 	$(BIN)/python benchmarks/gpu_suite.py --prepare --nanochat_dir $(NANOCHAT_DIR)

@@ -15,10 +15,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# How `in_fresh_process` starts a process: "spawn" (a new interpreter: nothing inherited, safe after CUDA was
-# initialised) unless a caller that has imported everything but computed nothing chooses "fork" (the CPU smoke run of
-# gpu_suite.py: no interpreter start-up, ~7 s per process on a loaded 2-core box).
-START_METHOD = "spawn"
+# Set (to "1") in the section processes of gpu_suite.py --smoke: `in_fresh_process` then calls its function in the calling process. A smoke
+# run measures nothing, and a spawned interpreter costs ~6 s of CPU importing torch and transformers.
+SAME_PROCESS_VARIABLE = "HFL3_BENCH_SAME_PROCESS"
 
 
 def asset_roots() -> list[Path]:
@@ -73,7 +72,10 @@ def shown_path(path: str | Path | None) -> str | None:
 def in_fresh_process(function, *arguments, env: dict[str, str] | None = None):
     """`function(*arguments)` run in a new process (its own allocator, peak-memory counters, CUDA context and compile
     caches), its result returned; `env` is added to that process's environment (read at its start, e.g. glibc's
-    `MALLOC_MMAP_THRESHOLD_`). The process is started with `START_METHOD`.
+    `MALLOC_MMAP_THRESHOLD_`). The process is spawned (a new interpreter), never forked: a fork taken while another
+    thread (OpenMP's workers, a tokenizer's pool) holds a lock leaves the child waiting on that lock forever — the CPU
+    smoke run of gpu_suite.py hung so, every time, with two OpenMP threads. With `SAME_PROCESS_VARIABLE` set in the
+    environment (the smoke run), `function` runs here, `env` set around the call.
 
     Raises:
         whatever `function` raised; `concurrent.futures.process.BrokenProcessPool` when the process died (killed,
@@ -82,7 +84,9 @@ def in_fresh_process(function, *arguments, env: dict[str, str] | None = None):
     saved = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})
     try:
-        context = multiprocessing.get_context(START_METHOD)
+        if os.environ.get(SAME_PROCESS_VARIABLE) == "1":
+            return function(*arguments)
+        context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
             return pool.submit(function, *arguments).result()
     finally:

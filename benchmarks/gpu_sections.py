@@ -102,16 +102,19 @@ def value(result: dict | None, key: str) -> float | None:
 
 # ---- 1. pretraining step vs nanochat, and 6. the dense core, 2. FP8: hfl3's Trainer path (vs_nanochat.py) ----------
 
-PRETRAIN_GPU = dict(depth=12, seq_len=2048, batch_size=16, vocab_size=32768, head_dim=128, steps=20, warmup_steps=10)
+# Warm-up cut from 10 to 5 steps and the window from 20 to 15 to fit one device call: compilation and autotuning
+# happen in step 1, and 15 steps of ~75 ms still span over a second at d12.
+PRETRAIN_GPU = dict(depth=12, seq_len=2048, batch_size=16, vocab_size=32768, head_dim=128, steps=15, warmup_steps=5)
 PRETRAIN_TINY = dict(depth=2, seq_len=64, batch_size=2, vocab_size=512, head_dim=64, steps=2, warmup_steps=2)
 FP8_GPU = PRETRAIN_GPU | dict(depth=20, steps=15, warmup_steps=5)
 ONE_STEP = dict(steps=1, warmup_steps=1)
 
 
-def _vs_nanochat_arms(profile: Profile, sizes: dict, arms: list[str], report, rows_of) -> dict:
+def _vs_nanochat_arms(profile: Profile, sizes: dict, arms: list[str], report, rows_of,
+                     profile_dir: str | None = None) -> dict:
     args = vs_nanochat.VsNanochatArguments(
         nanochat_dir=profile.nanochat_dir, arms=arms, compile=profile.compile, bf16=True,
-        dataloader_num_workers=2 if profile.gpu else 0, profile_dir=profile.profile_dir, **sizes)
+        dataloader_num_workers=2 if profile.gpu else 0, profile_dir=profile_dir, **sizes)
     results = each_arm(args.arms, lambda arm: vs_nanochat.main(replace(args, arms=[arm]))["results"][0], report,
                        rows_of)
     recorded = asdict(args) | {"nanochat_dir": shown_path(args.nanochat_dir)}
@@ -150,7 +153,7 @@ def run_pretrain(profile: Profile, report) -> dict:
                 "hfl3 dense", None, missing(l3) or missing(dense) or memory),
         ]
 
-    return _vs_nanochat_arms(profile, sizes, arms, report, rows_of)
+    return _vs_nanochat_arms(profile, sizes, arms, report, rows_of, profile_dir=profile.profile_dir)
 
 
 FP8_ARMS = {"hfl3_fp8_tensorwise": "tensorwise (hfl3 Float8Linear)", "hfl3_fp8_rowwise": "rowwise (hfl3 Float8Linear)",
@@ -353,19 +356,20 @@ def replace_namespace(namespace, **changes):
 class Section(NamedTuple):
     run: Callable[[Profile, Callable], dict]
     title: str
-    share_seconds: int  # of the GPU run's 25 minutes (compile and process starts included); stopped beyond it
+    share_seconds: int  # of one GPU call (compile and process starts included); stopped beyond it
     requires: tuple[str, ...]  # environment checks (gpu_suite.check_environment) without which it cannot run
 
 
-# In the order of importance of the measurements owed; the shares were set before any GPU run (estimates from the
-# compile times measured for the GPU machine's image) and should be corrected from the first run's
+# In the order of importance of the measurements owed. Shares from the first H100 run (2026-11-26, dev/LOG.md):
+# nanochat's d12 arm took 71 s (63 s of it compiling), each hfl3 arm ~100 s to its first step, MuonAdamW's
+# section 56 s. The first three fit one device call of 540 s with the checks and the wheels' installation.
 SECTIONS = {
-    "pretrain": Section(run_pretrain, "pretraining step vs nanochat at d12", 330, ("hfl3", "datasets")),
-    "fp8": Section(run_fp8, "FP8 tensorwise / rowwise / accelerate's torchao vs bf16 at d20", 360,
-                   ("hfl3", "datasets")),
+    "pretrain": Section(run_pretrain, "pretraining step vs nanochat at d12", 290, ("hfl3", "datasets")),
     "trainer": Section(run_trainer, "the Trainer path vs a plain loop", 150,
                        ("hfl3", "datasets", "asset:text/tinyshakespeare.txt")),
-    "muon_step": Section(run_muon_step, "MuonAdamW.step() vs fused AdamW", 120, ("hfl3",)),
+    "muon_step": Section(run_muon_step, "MuonAdamW.step() vs fused AdamW", 70, ("hfl3",)),
+    "fp8": Section(run_fp8, "FP8 tensorwise / rowwise / accelerate's torchao vs bf16 at d20", 360,
+                   ("hfl3", "datasets")),
     "loss": Section(run_loss, "the training loss: fused (Liger) vs plain", 60, ("hfl3",)),
     "dense_core": Section(run_dense_core, "the new dense core vs the legacy core", 150, ("hfl3", "datasets")),
     "l3_offload": Section(run_l3_offload, "L3 tables offloaded at inference", 150, ("hfl3", "asset:text/gutenberg")),

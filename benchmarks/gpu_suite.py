@@ -1,17 +1,21 @@
 """Every GPU measurement hfl3 owes, in one command, each beside its reference in the same process tree.
 
-    make bench-gpu                                         # on the GPU machine: the whole suite (≤ 25 minutes)
+    make bench-gpu                                         # on the GPU machine: what fits 540 s, most owed first
     python benchmarks/gpu_suite.py --nanochat_dir build/nanochat --out_dir benchmarks/results
-    python benchmarks/gpu_suite.py --sections pretrain,trainer --out_dir "$OUT" --time_limit_s 540   # one slice
+    python benchmarks/gpu_suite.py --sections pretrain,trainer --out_dir "$OUT" --time_limit_s 540   # chosen ones
     python benchmarks/gpu_suite.py --merge a/gpu_suite_h100.json b/gpu_suite_h100.json    # slices -> one file
     python benchmarks/gpu_suite.py --resume                # run what a cut-off run left undone
-    python benchmarks/gpu_suite.py --smoke                 # CPU, tiny sizes, under a minute (the test suite runs it)
+    python benchmarks/gpu_suite.py --smoke                 # CPU, tiny sizes, compile off (the test suite runs it)
     python benchmarks/gpu_suite.py --dry_run               # CPU, tiny sizes, the GPU run's settings (compile on)
     python benchmarks/gpu_suite.py --prepare --nanochat_dir ~/nanochat   # where PyPI is reachable: wheels, copies
 
 Sections, in order of importance (`gpu_sections.py` says what each measures, with which script and sizes): pretrain,
-fp8, trainer, muon_step, loss, dense_core, l3_offload, sft. Each runs in its own process group with a time share;
-one that overruns is killed and reported as `overran` with the rows it had finished. The JSON
+trainer, muon_step, fp8, loss, dense_core, l3_offload, sft. `--sections auto` (the default) takes them in that order,
+those without a committed GPU result (`benchmarks/results/gpu_suite_<gpu>.json`, any GPU) first, and runs each whose
+time share fits in what is left of the call (540 s on a GPU by default: one device call), so that successive calls
+complete the table instead of repeating its head. Each section runs in its own process group with its share; one
+that overruns is killed with every process it started and reported as `overran` with the rows it had finished.
+Every process is started fresh ("spawn"): none is forked from one that may have started threads. The JSON
 (`<out_dir>/gpu_suite_<device>.json`) and its markdown table (`.md`: measurement, hfl3, reference, ratio, goal,
 pass/fail) are rewritten after every section, so a run cut off still leaves what was done.
 
@@ -59,18 +63,25 @@ WHEELS = ("transformers==5.23.0", "trl==1.16.0", "datasets==5.2.0", "torchao==0.
 # What the sections read from the assets (the novels: l3_forward.real_text_ids reads the first three)
 ASSETS = ("text/tinyshakespeare.txt", "text/gutenberg", "tokenizers/qwen3", "chat/gsm8k_messages_train.jsonl")
 GSM8K_RECORDS_COPIED = 1000
+# One device call: at most 600 s of command, minus the wheels' installation and a margin for the process ends
+GPU_CALL_SECONDS = 540.0
+# What the device call carries besides the working tree (all git-ignored), and the size limit on all of it
+CARRIED = (".whl", "build/nanochat", "build/assets")
+DEVICE_CALL_MIB = 64
 WHEELS_FIX = "put its wheel in .whl/ (`make bench-gpu-prepare` where PyPI is reachable) and carry .whl"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, run in this order")
+    parser.add_argument("--sections", default="auto",
+                        help="comma-separated, run in this order; auto: by importance, those without a committed GPU "
+                             "result first")
     parser.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"), help="JSON and markdown go here")
     parser.add_argument("--nanochat_dir", default=str(REPO / "build" / "nanochat"), help="a karpathy/nanochat checkout")
     parser.add_argument("--time_limit_s", type=float, default=None,
-                        help="whole-run limit; a section's share is cut to what is left (default: 25 minutes on a "
-                             "GPU, none on a CPU)")
+                        help="whole-run limit: a section whose share does not fit in what is left is skipped "
+                             f"(default: {GPU_CALL_SECONDS:.0f} s on a GPU, one device call; none on a CPU)")
     parser.add_argument("--profile", action="store_true",
                         help="the pretraining arms also profile 3 steps after their timed window (torch.profiler) "
                              "and write <arm>_profile.txt into --out_dir")
@@ -81,7 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--merge", nargs="+", metavar="JSON", help="merge these suite JSONs into --out_dir, no run")
     mode.add_argument("--prepare", action="store_true", help="fill .whl/, build/nanochat and build/assets")
     args = parser.parse_args(argv)
-    args.section_list = [name.strip() for name in args.sections.split(",") if name.strip()]
+    args.section_list = ([] if args.sections == "auto" else
+                         [name.strip() for name in args.sections.split(",") if name.strip()])
     unknown = [name for name in args.section_list if name not in SECTIONS]
     if unknown:
         parser.error(f"--sections: unknown {unknown}; choose from {','.join(SECTIONS)}")
@@ -177,19 +189,45 @@ def device_slug(device: str, profile: Profile) -> str:
     return re.sub(r"[^a-z0-9]+", "_", device.lower().removeprefix("nvidia").strip()).strip("_")
 
 
+def measured_on_a_gpu(name: str, results_dir: Path = REPO / "benchmarks" / "results") -> bool:
+    """Whether a committed GPU suite result (`gpu_suite_<gpu>.json` of a `gpu` run) holds section `name` finished,
+    every goal row with a ratio."""
+    for path in results_dir.glob("gpu_suite_*.json"):
+        results = json.loads(path.read_text())
+        entry = results.get("sections", {}).get(name)
+        if results.get("environment", {}).get("profile") != "gpu" or not entry or entry.get("status") != "done":
+            continue
+        if all(row["ratio"] is not None for row in entry["rows"] if row.get("goal")):
+            return True
+    return False
+
+
+def auto_sections(profile: Profile, results_dir: Path = REPO / "benchmarks" / "results") -> list[str]:
+    """`--sections auto`: every section by importance; on a GPU, those `measured_on_a_gpu` last."""
+    if not profile.gpu:
+        return list(SECTIONS)
+    return sorted(SECTIONS, key=lambda name: measured_on_a_gpu(name, results_dir))  # stable: by importance within
+
+
 # ---- one section in its own process group ----------------------------------------------------------------------------
 
 
-def _section_process(name: str, profile: Profile, partial: str) -> None:
-    """Child: run section `name`, writing `{"status", "rows", "details"[, "error"]}` to `partial` as it goes."""
+def _section_process(run_section_of, profile: Profile, partial: str) -> None:
+    """Child: run a section (`run_section_of(profile, report)`), writing `{"status", "rows", "details"[, "error"]}` to
+    `partial` as it goes."""
     os.setsid()  # its own process group: the parent can stop it and every process it started at once
+    if profile.name == "smoke":  # measures nothing: the arms run in this process, on one thread (tiny matrices gain
+        import torch  # nothing from more, and OpenMP's threads spin on busy cores)
+
+        os.environ[common.SAME_PROCESS_VARIABLE] = "1"
+        torch.set_num_threads(1)
     from hfl3.atomic import write_json_atomic
 
     def report(rows: list[dict], details) -> None:
         write_json_atomic(partial, {"status": "running", "rows": rows, "details": details})
 
     try:
-        result = SECTIONS[name].run(profile, report)
+        result = run_section_of(profile, report)
         write_json_atomic(partial, {"status": "done", **result})
     except BaseException as error:
         traceback.print_exc()
@@ -202,8 +240,8 @@ def run_section(name: str, profile: Profile, share_seconds: float, scratch: Path
     """Run section `name` in a child process for at most `share_seconds`; the section's JSON entry."""
     partial = scratch / f"{name}.json"
     partial.unlink(missing_ok=True)  # what an earlier run left must not pass for this one's
-    process = multiprocessing.get_context(common.START_METHOD).Process(
-        target=_section_process, args=(name, profile, str(partial)))
+    process = multiprocessing.get_context("spawn").Process(
+        target=_section_process, args=(SECTIONS[name].run, profile, str(partial)))
     started, children = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     process.start()
     try:
@@ -229,12 +267,6 @@ def run_section(name: str, profile: Profile, share_seconds: float, scratch: Path
 # ---- the run -------------------------------------------------------------------------------------------------------
 
 
-def preload() -> None:
-    """Import what the sections import, so that forked processes start with it (the smoke run's fork start)."""
-    for module in ("torch", "transformers", "datasets", "peft", "trl", "hfl3.trainers.pretrain", "hfl3.trainers.sft"):
-        importlib.import_module(module)
-
-
 def run(args: argparse.Namespace) -> dict:
     """Check the environment, then run the asked-for sections one after the other within the time limit, rewriting
     the JSON and markdown after each; returns the results."""
@@ -244,9 +276,6 @@ def run(args: argparse.Namespace) -> dict:
     profile = Profile(name=name, device="cuda" if name == "gpu" else "cpu", nanochat_dir=nanochat,
                       work_dir=str(REPO / "outputs" / "gpu_suite"),
                       profile_dir=str(Path(args.out_dir).resolve()) if args.profile else None)
-    if args.smoke:
-        common.START_METHOD = "fork"  # nothing computed in this process yet: forking skips ~7 s per process
-        preload()
     environment = common.in_fresh_process(check_environment, profile, args.nanochat_dir)
     failing = {check["what"]: check["fix"] for check in environment["checks"] if not check["ok"]}
     for fix in failing.values():
@@ -254,7 +283,9 @@ def run(args: argparse.Namespace) -> dict:
     if "cuda" in failing:
         sys.exit(2)
     out = Path(args.out_dir) / f"gpu_suite_{device_slug(environment['device'], profile)}.json"
-    time_limit = args.time_limit_s or (1500.0 if profile.gpu else float("inf"))
+    time_limit = args.time_limit_s or (GPU_CALL_SECONDS if profile.gpu else float("inf"))
+    sections = args.section_list or auto_sections(profile)
+    print(f"gpu_suite: sections {', '.join(sections)}; time limit {time_limit:.0f} s", flush=True)
     stamp = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "profile": profile.name, "device": environment["device"], "commit": environment["commit"],
              "versions": environment["versions"]}
@@ -262,19 +293,20 @@ def run(args: argparse.Namespace) -> dict:
     results |= {"environment": stamp | {"checks": environment["checks"]}}
     scratch = Path(profile.work_dir) / "sections"
     scratch.mkdir(parents=True, exist_ok=True)
-    for section in args.section_list:
+    for section in sections:
         if results["sections"].get(section, {}).get("status") == "done" and args.resume:
             continue
         requirement = next((failing[need] for need in SECTIONS[section].requires if need in failing), None)
         left = time_limit - (time.perf_counter() - started)
-        if requirement or left < 5:
-            why = requirement or f"the run's time limit ({time_limit:.0f} s) was spent"
+        # a CPU compiles and trains far slower than a GPU: shares there only catch a hang
+        share = SECTIONS[section].share_seconds if profile.gpu else 600 if profile.name == "smoke" else 3600
+        if requirement or share > left:
+            why = requirement or f"its share of {share} s does not fit in the {max(left, 0):.0f} s left of the run's " \
+                                 f"{time_limit:.0f} s: a later call runs it"
             entry = {"status": "skipped", "error": why, "rows": [], "details": None, "seconds": 0.0}
         else:
-            # a CPU compiles and trains far slower than a GPU: shares there only catch a hang
-            share = SECTIONS[section].share_seconds if profile.gpu else 600 if profile.name == "smoke" else 3600
-            print(f"gpu_suite: {section} ({SECTIONS[section].title}), share {min(share, left):.0f} s", flush=True)
-            entry = run_section(section, profile, min(share, left), scratch)
+            print(f"gpu_suite: {section} ({SECTIONS[section].title}), share {share:.0f} s", flush=True)
+            entry = run_section(section, profile, share, scratch)
         results["sections"][section] = entry | {"run": stamp}
         write_results(out, results)
         cpu = f" ({entry['cpu_seconds']:.0f} s of CPU time)" if "cpu_seconds" in entry else ""
@@ -354,8 +386,36 @@ def prepare(args: argparse.Namespace) -> None:
                     "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(wheels), *WHEELS],
                    check=True)
     size = sum(file.stat().st_size for file in wheels.glob("*.whl")) / 2**20
-    print(f".whl: {len(list(wheels.glob('*.whl')))} wheels, {size:.0f} MiB. Carry .whl and build/nanochat"
-          + (" and build/assets" if (REPO / "build" / "assets").exists() else "") + " to the GPU machine.")
+    print(f".whl: {len(list(wheels.glob('*.whl')))} wheels, {size:.0f} MiB.")
+    call = device_call()
+    travelling = travelling_mib(call["carry"])
+    print(f"The device call (the working tree and what it carries: {travelling:.1f} MiB of {DEVICE_CALL_MIB}):\n"
+          f"  command: {call['command']}\n  carry: {json.dumps(call['carry'])}\n  timeout_s: {call['timeout_s']}\n"
+          "Then commit $OUT's gpu_suite_<gpu>.json and .md into benchmarks/results/ (--merge with the committed "
+          "file keeps the sections measured before) and log the numbers in dev/LOG.md.")
+    if travelling > DEVICE_CALL_MIB:
+        sys.exit(f"what the device call sends is {travelling:.1f} MiB, over its {DEVICE_CALL_MIB} MiB: remove "
+                 "untracked files that git does not ignore, or large files from .whl/")
+
+
+def device_call(commit: str | None = None) -> dict:
+    """The device tool's `run` arguments for one suite call: `command` (run in the checkout's copy there; `$OUT` is
+    the folder whose files come back; the copy's `.git` may be older than its files, so the commit is passed in
+    `HFL3_COMMIT`), `carry` (the prepared git-ignored folders that exist) and `timeout_s` (the call's limit, above
+    the suite's own `GPU_CALL_SECONDS`). `BENCH_GPU_MODE=--smoke` in the environment runs the same command on a CPU
+    at tiny sizes (the test suite does)."""
+    commit = commit or source_commit()
+    command = (f'set -o pipefail; HFL3_COMMIT={commit} make bench-gpu BENCH_GPU_ARGS="--out_dir $OUT --profile" '
+               '2>&1 | tee $OUT/gpu_suite.log')
+    return {"command": command, "carry": [path for path in CARRIED if (REPO / path).exists()], "timeout_s": 600}
+
+
+def travelling_mib(carry: list[str]) -> float:
+    """MiB that a device call sends: the files git tracks or does not ignore, plus the carried folders."""
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    files = [REPO / name for name in listed if name] + [file for path in carry for file in (REPO / path).rglob("*")]
+    return sum(file.stat().st_size for file in files if file.is_file() and not file.is_symlink()) / 2**20
 
 
 def main(argv: list[str] | None = None) -> dict | None:

@@ -141,15 +141,18 @@ CPU_ONLY_NOTES = {"peak memory is measured on CUDA only", "MFU needs a known GPU
 
 
 @pytest.mark.slow
-def test_gpu_suite_smoke_runs_every_section_and_fills_its_fields(suite, repo_root, tmp_path):
+def test_the_device_call_runs_every_section_at_smoke_sizes_and_fills_its_fields(suite, repo_root, tmp_path):
     common, gpu_sections, gpu_suite = suite
-    nanochat = repo_root / "build" / "nanochat"
-    have_nanochat = (nanochat / "nanochat" / "gpt.py").is_file()
-    done = subprocess.run(
-        [sys.executable, str(repo_root / "benchmarks" / "gpu_suite.py"), "--smoke", "--out_dir", str(tmp_path),
-         "--nanochat_dir", str(nanochat)], capture_output=True, text=True, timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=repo_root)
+    have_nanochat = (repo_root / "build" / "nanochat" / "nanochat" / "gpt.py").is_file()
+    # the device call `make bench-gpu-prepare` prints, run as a user runs it: no thread variables set
+    command = gpu_suite.device_call()["command"]
+    environment = {key: value for key, value in os.environ.items() if not key.endswith("_NUM_THREADS")}
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=900, cwd=repo_root,
+                          env=environment | {"OUT": str(tmp_path), "BENCH_GPU_MODE": "--smoke"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "gpu_suite: sections pretrain, trainer, muon_step" in (tmp_path / "gpu_suite.log").read_text()
+    assert {path.name for path in tmp_path.glob("*_profile.txt")} == (
+        {"hfl3_profile.txt", "hfl3_l3_profile.txt"} | ({"nanochat_profile.txt"} if have_nanochat else set()))
     results = json.loads((tmp_path / "gpu_suite_cpu_smoke.json").read_text())
     markdown = (tmp_path / "gpu_suite_cpu_smoke.md").read_text()
     assert list(results["sections"]) == list(gpu_sections.SECTIONS)
@@ -197,13 +200,12 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("section, share, status, error", [
-    (_overrunning_section, 3.0, "overran", "stopped after its share of 3 s"),
+    (_overrunning_section, 40.0, "overran", "stopped after its share of 40 s"),  # a spawned child imports torch
     (_failing_section, 60.0, "failed", "RuntimeError: the reason"),
 ])
 def test_a_section_that_overruns_or_fails_keeps_the_rows_it_reported(suite, monkeypatch, tmp_path, section, share,
                                                                     status, error):
     common, gpu_sections, gpu_suite = suite
-    monkeypatch.setattr(common, "START_METHOD", "fork")  # the fake section exists in this process only
     monkeypatch.setitem(gpu_sections.SECTIONS, "fake", gpu_sections.Section(section, "fake", 1, ()))
     started = time.perf_counter()
     entry = gpu_suite.run_section("fake", gpu_sections.Profile("smoke", "cpu"), share, tmp_path)
@@ -251,10 +253,40 @@ def test_merge_keeps_finished_sections_and_refuses_another_device(suite, tmp_pat
     merged = json.loads(out.read_text())["sections"]
     assert {name: entry["status"] for name, entry in merged.items()} == {
         "pretrain": "done", "fp8": "done", "trainer": "done", "sft": "done"}
-    assert list(merged) == ["pretrain", "fp8", "trainer", "sft"]  # the suite's order
+    assert list(merged) == ["pretrain", "trainer", "fp8", "sft"]  # the suite's order
     other = part("NVIDIA H200", {"loss": "done"})
     with pytest.raises(ValueError, match="NVIDIA H200 .gpu. is not NVIDIA H100"):
         gpu_suite.merge([first, other], str(tmp_path / "merged"))
+
+
+def test_auto_runs_the_sections_without_a_committed_gpu_result_first(suite, tmp_path):
+    common, gpu_sections, gpu_suite = suite
+
+    def result(profile: str, device: str, sections: dict) -> dict:
+        return {"environment": {"profile": profile, "device": device},
+                "sections": {name: {"status": status, "rows": [gpu_sections.row("m", hfl3, 1.0, "ref", (">=", 1.1))]}
+                             for name, (status, hfl3) in sections.items()}}
+
+    (tmp_path / "gpu_suite_h100_80gb_hbm3.json").write_text(json.dumps(result("gpu", "NVIDIA H100 80GB HBM3", {
+        "muon_step": ("done", 2.3), "pretrain": ("done", None), "trainer": ("failed", None)})))
+    (tmp_path / "gpu_suite_h200.json").write_text(json.dumps(result("gpu", "NVIDIA H200", {"loss": ("done", 0.5)})))
+    (tmp_path / "gpu_suite_cpu_smoke.json").write_text(json.dumps(result("smoke", "CPU", {"fp8": ("done", 1.0)})))
+    order = gpu_suite.auto_sections(gpu_sections.Profile("gpu", "cuda"), tmp_path)
+    # a section counts as measured when a GPU run finished it with every goal's ratio: muon_step and loss, not
+    # pretrain (its hfl3 value missing), trainer (failed) or fp8 (a CPU run)
+    assert order == ["pretrain", "trainer", "fp8", "dense_core", "l3_offload", "sft", "muon_step", "loss"]
+    assert gpu_suite.auto_sections(gpu_sections.Profile("smoke", "cpu"), tmp_path) == list(gpu_sections.SECTIONS)
+
+
+def test_a_section_whose_share_does_not_fit_in_the_time_left_is_skipped_for_a_later_call(suite, tmp_path):
+    common, gpu_sections, gpu_suite = suite
+    results = gpu_suite.main(["--smoke", "--sections", "loss,muon_step", "--time_limit_s", "300",
+                              "--out_dir", str(tmp_path)])  # a smoke section's share is 600 s
+    for name in ("loss", "muon_step"):
+        entry = results["sections"][name]
+        assert (entry["status"], entry["seconds"], entry["rows"]) == ("skipped", 0.0, [])
+        assert entry["error"].startswith("its share of 600 s does not fit in the ")
+        assert entry["error"].endswith(" s left of the run's 300 s: a later call runs it")
 
 
 def test_assets_are_looked_up_in_hfl3_assets_then_fixtures_then_beside_the_checkout(suite, monkeypatch, tmp_path):
