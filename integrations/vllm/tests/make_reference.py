@@ -2,11 +2,12 @@
 
 Runs in hfl3's environment (transformers 5.23; the serving environment has vLLM's older transformers and no hfl3):
 
-    .venv/bin/python integrations/vllm/tests/make_reference.py OUT_DIR
+    .venv/bin/python integrations/vllm/tests/make_reference.py OUT_DIR PART     # PART: generation, serve or lora
 
-`conftest.py` runs it once per test session. For each model kind it writes `OUT_DIR/<kind>/` (an L3GPT folder as
-hfl3 saves it: `config.json` with `auto_map`, the remote code, `model.safetensors`, the tokenizer) and
-`OUT_DIR/<kind>.json` with:
+`conftest.py` runs each part once per test session, when a test first needs it.
+
+`generation`: for each model kind, `OUT_DIR/<kind>/` (an L3GPT folder as hfl3 saves it: `config.json` with
+`auto_map`, the remote code, `model.safetensors`, the tokenizer) and `OUT_DIR/<kind>.json` with:
 - `prompts`: token ids of prompts of mixed lengths (Tiny Shakespeare, the folder's tokenizer);
 - `tokens`: transformers' `generate` of them in one left-padded batch, float32, CPU, greedy, `NEW_TOKENS` new
   tokens each, never stopping at EOS (as vLLM's `ignore_eos`), no token suppressed;
@@ -20,10 +21,21 @@ two L3 layers and an LZW allocation), `legacy` (a `config.json` written before v
 loaded with them off) and `nanochat` (a nanochat master checkpoint converted by `convert_nanochat_to_hf`). Weights
 are random and every matrix non-zero (fresh inits zero the output projections, `smear_lambda` and the L3 `mix_proj`,
 which would make those paths vanish).
+
+`serve`: `OUT_DIR/recipe/`, the folder `recipes/pretrain.py` writes with `recipes/configs/pretrain_tiny.yaml` (an
+L3GPT with an L3 layer, value embeddings, smear, its BPE tokenizer and ChatML template), and `OUT_DIR/chat.json`:
+a conversation, its prompt ids through the folder's chat template, and the greedy `CHAT_TOKENS` new tokens.
+
+`lora`: for each base (`qwen3`: a tiny Qwen3 with the Qwen3 tokenizer of tests/fixtures; `l3gpt`: a tiny L3GPT as
+in `generation`), `OUT_DIR/lora_<base>/base/`, the SFT recipe's adapter in `OUT_DIR/lora_<base>/adapter/` (LoRA on
+q_proj and v_proj, `recipes/configs/sft_tiny.yaml`, on short Tiny Shakespeare chats, `--merge`), and
+`OUT_DIR/lora_<base>.json`: chat prompts, the greedy tokens, first log-probabilities and margins of PEFT's merged
+model (`adapter/merged/`) as in `generation`, and the base's greedy tokens (the guard: the adapter changes them).
 """
 
 import copy
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,6 +50,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from nanochat_reference import Spec, random_weights, train_ranks, write_checkpoint, write_tokenizer_pickle  # noqa: E402
 
 NEW_TOKENS = 64
+CHAT_TOKENS = 16
 TOP_K = 5
 SEED = 0
 # Prompt lengths (tokens): one below the sliding window, others across it; two share a 40-token prefix (prefix
@@ -128,6 +141,7 @@ def features(config) -> list[str]:
 
 
 def write_reference(folder: Path, model, tokenizer, batch: list[list[int]]) -> None:
+    """`<folder>.json` as the module docstring lists it, for `model` in float32."""
     model = model.float().eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.bos_token_id
     tokens, first_logprobs, margins = greedy(model, batch, pad_id)
@@ -137,7 +151,8 @@ def write_reference(folder: Path, model, tokenizer, batch: list[list[int]]) -> N
     folder.with_suffix(".json").write_text(json.dumps(reference))
 
 
-def hfl3_model(out: Path, kind: str, tokenizer, batch) -> None:
+def hfl3_model(out: Path, kind: str, tokenizer) -> Path:
+    """The folder of `kind` (see the module docstring) in `out/kind`."""
     torch.manual_seed(SEED)
     fields = {}
     if kind == "l3":
@@ -160,9 +175,7 @@ def hfl3_model(out: Path, kind: str, tokenizer, batch) -> None:
                       "value_embedding_gate_channels"):
             saved.pop(field)
         config_file.write_text(json.dumps(saved, indent=2))
-    from transformers import AutoModelForCausalLM
-
-    write_reference(folder, AutoModelForCausalLM.from_pretrained(folder), tokenizer, batch)
+    return folder
 
 
 def nanochat_model(out: Path) -> None:
@@ -179,15 +192,98 @@ def nanochat_model(out: Path) -> None:
     write_reference(folder, AutoModelForCausalLM.from_pretrained(folder), tokenizer, prompts(tokenizer))
 
 
-def main(out: Path) -> None:
-    torch.set_num_threads(1)
-    out.mkdir(parents=True, exist_ok=True)
+def generation(out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
     tokenizer = train_tokenizer([shakespeare()[:300_000]], vocab_size=512)
-    batch = prompts(tokenizer)
     for kind in ("dense", "l3", "legacy"):
-        hfl3_model(out, kind, tokenizer, batch)
+        folder = hfl3_model(out, kind, tokenizer)
+        write_reference(folder, AutoModelForCausalLM.from_pretrained(folder), tokenizer, prompts(tokenizer))
     nanochat_model(out)
 
 
+def run_recipe(*arguments: str) -> None:
+    """`python recipes/<arguments>` in this environment; raises with the recipe's output tail when it fails."""
+    result = subprocess.run([sys.executable, *arguments], capture_output=True, text=True, cwd=REPO, timeout=900)
+    if result.returncode:
+        raise RuntimeError(f"{arguments[0]} failed:\n{result.stdout[-2000:]}{result.stderr[-4000:]}")
+
+
+@torch.no_grad()
+def chat_tokens(model, prompt_ids: list[int]) -> list[int]:
+    """Greedy `CHAT_TOKENS` new tokens, no EOS stop."""
+    out = model.float().eval().generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=CHAT_TOKENS,
+                                        eos_token_id=None, pad_token_id=0, suppress_tokens=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def serve(out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = out / "recipe"
+    run_recipe("recipes/pretrain.py", "--config", "recipes/configs/pretrain_tiny.yaml", "--output_dir", str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "What is the meaning of a def?"}]
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+    tokens = chat_tokens(AutoModelForCausalLM.from_pretrained(folder), prompt_ids)
+    (out / "chat.json").write_text(json.dumps({"messages": messages, "prompt_ids": prompt_ids, "tokens": tokens}))
+
+
+def shakespeare_chats(n: int) -> list[dict]:
+    """Short real chats: a line of Tiny Shakespeare asks, the next one answers."""
+    lines = [line for line in shakespeare()[:50_000].splitlines() if len(line.split()) >= 4]
+    return [{"messages": [{"role": "user", "content": lines[2 * i]},
+                          {"role": "assistant", "content": lines[2 * i + 1]}]} for i in range(n)]
+
+
+def qwen3_base(folder: Path) -> None:
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "tests" / "fixtures" / "tokenizers" / "qwen3")
+    torch.manual_seed(SEED)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50.0)  # logits of std ~1 (the init's are ~0.02: every step would be a near tie)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def lora(out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train = out / "lora_chats.jsonl"
+    train.write_text("".join(json.dumps(chat) + "\n" for chat in shakespeare_chats(32)))
+    for base in ("qwen3", "l3gpt"):
+        work = out / f"lora_{base}"
+        if base == "qwen3":
+            qwen3_base(work / "base")
+        else:
+            tokenizer = train_tokenizer([shakespeare()[:300_000]], vocab_size=512)
+            hfl3_model(work, "base", tokenizer)
+        run_recipe("recipes/sft_lora.py", "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path",
+                   str(work / "base"), "--train_file", str(train), "--num_train_epochs", "2", "--learning_rate",
+                   "0.05", "--merge", "--output_dir", str(work / "adapter"))
+        tokenizer = AutoTokenizer.from_pretrained(work / "base")
+        prompts_ids = [tokenizer.apply_chat_template(chat["messages"][:1], add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False) for chat in shakespeare_chats(40)[-3:]]
+        merged = AutoModelForCausalLM.from_pretrained(work / "adapter" / "merged").float().eval()
+        base_model = AutoModelForCausalLM.from_pretrained(work / "base").float().eval()
+        tokens, first_logprobs, margins = greedy(merged, prompts_ids, tokenizer.pad_token_id)
+        reference = {"prompts": prompts_ids, "tokens": tokens, "first_logprobs": first_logprobs, "margins": margins,
+                     "base_tokens": greedy(base_model, prompts_ids, tokenizer.pad_token_id)[0]}
+        work.with_suffix(".json").write_text(json.dumps(reference))
+
+
+PARTS = {"generation": generation, "serve": serve, "lora": lora}
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    torch.set_num_threads(1)
+    out_dir, part = Path(sys.argv[1]), sys.argv[2]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    PARTS[part](out_dir)
