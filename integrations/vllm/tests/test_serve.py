@@ -95,7 +95,7 @@ def test_chat_completion_answers_with_transformers_greedy_tokens(server):
     assert [entry.id for entry in client.models.list().data] == [model]
     response = client.chat.completions.create(**completion_arguments(model, reference))
     choice = response.choices[0]
-    assert response.prompt_token_ids == reference["prompt_ids"]  # the folder's chat template, as transformers renders it
+    assert response.prompt_token_ids == reference["prompt_ids"]  # the folder's chat template, rendered as transformers
     assert choice.token_ids == reference["tokens"]
     assert choice.finish_reason == "length" and response.usage.completion_tokens == len(reference["tokens"])
 

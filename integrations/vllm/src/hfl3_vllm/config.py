@@ -135,9 +135,10 @@ class L3GPTConfig(PretrainedConfig):
                 f"rope_parameters={parameters}: the vLLM plugin serves rope_type 'default' with a rope_theta only "
                 "(the other RoPE types of hfl3 are not checked against transformers here)"
             )
-        if parameters.get("partial_rotary_factor", 1.0) != 1.0:
-            raise UnservableConfigError(f"rope_parameters['partial_rotary_factor']={parameters['partial_rotary_factor']}"
-                                        ": L3GPT rotates whole heads; remove it")
+        factor = parameters.get("partial_rotary_factor", 1.0)
+        if factor != 1.0:
+            raise UnservableConfigError(f"rope_parameters['partial_rotary_factor']={factor}: L3GPT rotates whole "
+                                        "heads; remove it")
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnservableConfigError(f"num_key_value_heads={self.num_key_value_heads} must divide "
                                         f"num_attention_heads={self.num_attention_heads}")
