@@ -89,10 +89,10 @@ def vllm_side(args) -> dict:
 
     llm = LLM(model=args.folder, dtype=args.dtype, enforce_eager=not args.vllm_compile, enable_prefix_caching=False,
               max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=1 << 30, distributed_executor_backend="uni",
-              max_model_len=args.prompt_tokens + args.new_tokens, seed=0)
+              max_model_len=args.prompt_tokens + args.new_tokens, seed=0, skip_tokenizer_init=True)
 
     def generate(batch_prompts, new_tokens):
-        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
         llm.generate([{"prompt_token_ids": p} for p in batch_prompts], params, use_tqdm=False)
 
     return decode_rates(generate, args, llm.llm_engine.model_config.hf_config.vocab_size)
