@@ -17,7 +17,8 @@ Runs in hfl3's environment (transformers 5.23; the serving environment has vLLM'
   that feature switched off: the guard that each one changes what is generated, so equal tokens test it.
 
 Kinds: `dense` (nanochat master's core: value embeddings, smear, backout, GQA, sliding windows), `l3` (the same with
-two L3 layers and an LZW allocation), `legacy` (a `config.json` written before value embeddings, smear and backout,
+two L3 layers and an LZW allocation), `l3_untied` (those layers with separate key and value tables and
+`l3_mix_input="residual"`), `legacy` (a `config.json` written before value embeddings, smear and backout,
 loaded with them off) and `nanochat` (a nanochat master checkpoint converted by `convert_nanochat_to_hf`). Weights
 are random and every matrix non-zero (fresh inits zero the output projections, `smear_lambda` and the L3 `mix_proj`,
 which would make those paths vanish).
@@ -155,13 +156,15 @@ def hfl3_model(out: Path, kind: str, tokenizer) -> Path:
     """The folder of `kind` (see the module docstring) in `out/kind`."""
     torch.manual_seed(SEED)
     fields = {}
-    if kind == "l3":
+    if kind.startswith("l3"):
         fields = dict(l3_after_layers=[1, 2], l3_n_emb=4 * len(tokenizer), l3_k_max=16, l3_d_up=64)
+    if kind == "l3_untied":  # the other table and W_mix-input options (nanochat's L3 fork's)
+        fields.update(l3_tie_kv=False, l3_mix_input="residual")
     if kind == "legacy":
         fields = dict(value_embedding_layers=[], use_smear_gate=False, use_backout=False)
     config = tiny_config(tokenizer, **fields)
     model = L3GPTForCausalLM(config)
-    if kind == "l3":
+    if kind.startswith("l3"):
         sample = tokenizer(shakespeare()[100_000:300_000])["input_ids"]
         model.set_l3_allocation(lzw_allocation([sample], config.vocab_size, config.l3_n_emb, config.l3_k_max))
     randomize(model)
@@ -196,7 +199,7 @@ def generation(out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     tokenizer = train_tokenizer([shakespeare()[:300_000]], vocab_size=512)
-    for kind in ("dense", "l3", "legacy"):
+    for kind in ("dense", "l3", "l3_untied", "legacy"):
         folder = hfl3_model(out, kind, tokenizer)
         write_reference(folder, AutoModelForCausalLM.from_pretrained(folder), tokenizer, prompts(tokenizer))
     nanochat_model(out)

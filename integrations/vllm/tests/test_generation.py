@@ -16,6 +16,8 @@ CASES = [
     ("dense", "dense", "L3GPTSmearForCausalLM", None, {}),
     ("l3", "l3", "L3GPTSmearForCausalLM", "device", {}),
     ("l3-tables-in-cpu-memory", "l3", "L3GPTSmearForCausalLM", "cpu", {"hf_overrides": {"l3_offload": True}}),
+    ("l3-untied-residual", "l3_untied", "L3GPTSmearForCausalLM", "device", {}),
+    ("l3-untied-in-cpu-memory", "l3_untied", "L3GPTSmearForCausalLM", "cpu", {"hf_overrides": {"l3_offload": True}}),
     ("legacy", "legacy", "L3GPTForCausalLM", None, {}),
     ("nanochat", "nanochat", "L3GPTSmearForCausalLM", None, {}),
 ]

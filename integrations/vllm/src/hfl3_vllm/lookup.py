@@ -59,13 +59,12 @@ def pair_lookup(x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, token
     return looked_up.to(x.dtype)
 
 
-def offloaded_rows(table: torch.Tensor, rows: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct `rows` of the host `table` copied to `device`, and `rows` renumbered into that copy."""
-    unique_rows, renumbered = torch.unique(rows.cpu(), return_inverse=True)
-    fetched = table.index_select(0, unique_rows)
+def fetched_rows(table: torch.Tensor, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`rows` `(R,)` (a CPU index) of the host `table`, copied to `device` (through pinned memory on CUDA)."""
+    fetched = table.index_select(0, rows)
     if device.type == "cuda":
         fetched = fetched.pin_memory()
-    return fetched.to(device, non_blocking=True), renumbered.to(device, non_blocking=True)
+    return fetched.to(device, non_blocking=True)
 
 
 class LargeLookupLayer(nn.Module):
@@ -102,15 +101,12 @@ class LargeLookupLayer(nn.Module):
         keys = self.key_table.weight
         values = keys if self.value_table is None else self.value_table.weight
         token_of_pair, row_of_pair, offsets = routed_pairs(input_ids, bounds)
-        if self.offload:
-            keys, key_rows = offloaded_rows(keys, row_of_pair, x.device)
-            if self.value_table is None:
-                values, value_rows = keys, key_rows
-            else:
-                values, value_rows = offloaded_rows(values, row_of_pair, x.device)
-            if not torch.equal(key_rows, value_rows):
-                raise AssertionError("key and value rows renumber alike: both come from the same routed rows")
-            row_of_pair = key_rows
+        if self.offload:  # only the routed rows, once each; the pairs renumbered into them
+            routed_rows, row_of_pair = torch.unique(row_of_pair.cpu(), return_inverse=True)
+            tied = self.value_table is None
+            keys = fetched_rows(keys, routed_rows, x.device)
+            values = keys if tied else fetched_rows(values, routed_rows, x.device)
+            row_of_pair = row_of_pair.to(x.device)
         return pair_lookup(x, keys, values, token_of_pair, row_of_pair, offsets)
 
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
