@@ -313,6 +313,7 @@ def test_save_pretrained_round_trip(tmp_path):
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_l3gpt.L3GPTForCausalLM"
+    assert config["auto_map"]["AutoModel"] == "modeling_l3gpt.L3GPTModel"
 
 
 NANOCHAT_MASTER_FIELDS = (
@@ -346,7 +347,7 @@ def test_config_json_from_before_nanochat_master_features_loads_them_off(tmp_pat
 
 REMOTE_SCRIPT = """
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM
 
 try:
     import hfl3  # noqa: F401
@@ -359,6 +360,8 @@ assert "hfl3" not in type(model).__module__, type(model).__module__
 ids = torch.load(folder + "/ids.pt")
 with torch.no_grad():
     torch.save(model(ids).logits, folder + "/remote_logits.pt")
+base = AutoModel.from_pretrained(folder, trust_remote_code=True)  # auto_map.AutoModel, as vLLM's Transformers backend
+assert type(base).__name__ == "L3GPTModel" and "hfl3" not in type(base).__module__, type(base)
 """
 
 

@@ -291,6 +291,15 @@ class L3GPTPreTrainedModel(PreTrainedModel):
         if not mean_resizing and num_rows > old_rows:
             initialize(table.weight[old_rows:], table.hfl3_init)
 
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs):
+        """transformers' `save_pretrained`; a folder saved with remote code also names `L3GPTModel` under
+        `auto_map.AutoModel` (transformers writes only the saved class's entry; `AutoModel` with
+        `trust_remote_code=True`, and so vLLM's Transformers backend, look the base model up there)."""
+        if self._auto_class is not None:
+            auto_map = getattr(self.config, "auto_map", None) or {}
+            self.config.auto_map = {**auto_map, "AutoModel": f"{L3GPTModel.__module__.rsplit('.', 1)[-1]}.L3GPTModel"}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     def offload_l3_tables(self, mmap_checkpoint: str | os.PathLike | None = None):
         """Keep the L3 tables in CPU memory for inference; returns the model. Each forward fetches only the routed
         tokens' rows, on CUDA on a side stream overlapped with the decoder layers before the L3 layer; outputs equal
