@@ -209,8 +209,8 @@ def liger_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     Never traced by `torch.compile` (a graph break; Liger's Triton kernels gain nothing from Inductor): dynamo traced
     into `LigerFusedLinearCrossEntropyFunction.forward`, failed to wrap its kernel and compiled the chunk slicing around
     it, and the first compiled hfl3 step on an H100 died with "an illegal memory access" (torch 2.11, Triton 3.6,
-    liger-kernel 0.8.5; dev/LOG.md 2026-11-26). Upstream reports the same crash (linkedin/Liger-Kernel issue 916) and a
-    silently wrong loss under `torch.compile` whenever a target is `ignore_index` (linkedin/Liger-Kernel PR 1338).
+    liger-kernel 0.8.5; dev/LOG.md 2026-11-26). Upstream reports the same crash (github.com/linkedin/Liger-Kernel/issues/916)
+    and a silently wrong loss under `torch.compile` whenever a target is `ignore_index` (Liger-Kernel pull 1338).
     """
     functional = importlib.import_module("liger_kernel.transformers.functional")
     dtype = compute_dtype(hidden, weight)
