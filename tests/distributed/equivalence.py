@@ -18,9 +18,17 @@ def spawn_gloo_ranks(function, world_size: int, store_path, *args) -> None:
     A rank that returns ends as every multi-process entry point of hfl3 does, through
     `hfl3.trainers.launch.end_distributed_run` (barrier, process group destroyed, exit 0 without finalizing the
     interpreter: its docstring gives the abort this avoids). A rank that raises exits as `mp.spawn` makes it, after
-    writing its traceback, which the parent raises.
+    writing its traceback, which the parent raises. When the wait itself is interrupted (pytest-timeout), no rank is
+    left running.
     """
-    mp.spawn(_run_rank, args=(world_size, str(store_path), function, args), nprocs=world_size, join=True)
+    ranks = mp.spawn(_run_rank, args=(world_size, str(store_path), function, args), nprocs=world_size, join=False)
+    try:
+        while not ranks.join():
+            pass
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
 
 
 def _run_rank(rank: int, world_size: int, store_path: str, function, args: tuple) -> None:
