@@ -1,7 +1,9 @@
 """Quiet launches: `import hfl3` prints nothing (torchao's import-time warnings are kept for the AO FP8 backend),
 hfl3.fp8 works without torchao, a bad recipe argument is one clear message, not a traceback, and a distributed setup
 that accelerate silently replaced (fsdp2.yaml on a CPU machine trains as DDP) is refused with one line naming the
-config to use (the real `accelerate launch`: tests/distributed/test_accelerate_configs.py)."""
+config to use (the real `accelerate launch`: tests/distributed/test_accelerate_configs.py); and every rank of a
+multi-process run ends through `end_distributed_run` at exit status 0 with what it wrote flushed, while a rank that
+raised still fails the launch."""
 
 import importlib.util
 import json
