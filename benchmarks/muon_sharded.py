@@ -41,6 +41,7 @@ from transformers import HfArgumentParser
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.optim import MuonAdamW, param_groups_by_kind
+from hfl3.trainers.launch import end_distributed_run
 from hfl3.atomic import write_json_atomic
 
 SCHEMES = ("ddp", "zero2", "zero3", "fsdp2")
@@ -185,7 +186,7 @@ def worker(rank: int, args: ShardedArguments, store: str, results_path: str) -> 
                for name in args.optimizers for scheme in args.schemes}
     if rank == 0:
         torch.save(results, results_path)
-    dist.destroy_process_group()
+    end_distributed_run()  # after FSDP2's DTensors, gloo's threads outlive destroy_process_group
 
 
 def main(args: ShardedArguments) -> dict:

@@ -55,7 +55,7 @@ from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
 from hfl3.trainers.compute_optimal import REFERENCE_DEPTH, ComputeOptimalPlan, compute_optimal_plan
 from hfl3.trainers.guards import exit_on_training_error
 from hfl3.trainers.inputs import TOKENIZER, TOKENIZER_FILES, RecipeParser, check_corpus, check_pretrained
-from hfl3.trainers.launch import add_config_argument, check_launch, parse_recipe_args
+from hfl3.trainers.launch import add_config_argument, check_launch, end_distributed_run, parse_recipe_args
 from hfl3.trainers.outputs import prepare_output_dir, work_dir
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 
@@ -369,3 +369,4 @@ if __name__ == "__main__":
     script_args, model_args, training_args = parse_recipe_args(make_parser())
     with exit_on_training_error():  # a NaN/inf loss: one error line, exit status 1
         main(script_args, training_args, model_args)
+    end_distributed_run()  # every rank: the others done, the process group destroyed, outputs flushed, exit 0

@@ -51,7 +51,7 @@ from hfl3.generation import answer_prompts
 from hfl3.atomic import write_json_atomic
 from hfl3.provenance import build_metadata, config_sha256
 from hfl3.trainers.guards import check_vocabulary_fits, exit_on_training_error
-from hfl3.trainers.launch import add_config_argument, check_launch, parse_recipe_args
+from hfl3.trainers.launch import add_config_argument, check_launch, end_distributed_run, parse_recipe_args
 from hfl3.trainers.inputs import (
     MODEL,
     MODEL_FILES,
@@ -286,7 +286,6 @@ def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_ar
             log(f"[hfl3] merged model written to {training_args.output_dir}/merged")
     if url := trainer.push_output("merged" if script_args.merge else None):
         log(f"[hfl3] pushed to {url}")
-    trainer.end()
     return results
 
 
@@ -309,3 +308,4 @@ if __name__ == "__main__":
     script_args, model_args, training_args = parse_recipe_args(make_parser())
     with exit_on_training_error():  # a NaN/inf loss: one error line, exit status 1
         main(script_args, training_args, model_args)
+    end_distributed_run()  # every rank: the others done, the process group destroyed, outputs flushed, exit 0

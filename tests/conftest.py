@@ -131,11 +131,20 @@ def xdist_group(item) -> str:
     return "distributed" if item.get_closest_marker("distributed") else item.nodeid.split("::")[0]
 
 
+# pytest-timeout's limit for a multi-process test (pyproject.toml sets 900 s for the others): its fixtures may wait on
+# two launches (tests/distributed/conftest.py: the one-process reference, then the launch under test), each cut off
+# after LAUNCH_TIMEOUT_S = 900 s by its own subprocess timeout, so that the launch's log says what hung; 300 s more for
+# the test itself
+DISTRIBUTED_TIMEOUT_S = 2 * 900 + 300
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
     for item in items:  # pytest-xdist (`make test` runs 2 workers) schedules by these groups
         item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+        if item.get_closest_marker("distributed") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(DISTRIBUTED_TIMEOUT_S))
     needs_gemma3 = [item for item in items if item.get_closest_marker("gemma3")]  # keywords would match param ids
     if needs_gemma3 and gemma3_folder() is None:
         skip_gemma3 = pytest.mark.skip(reason=gemma3_missing_reason())

@@ -416,6 +416,7 @@ from accelerate import PartialState
 from transformers import AutoTokenizer
 from test_core_metric import BUNDLE, KNOWN, BigramStub
 from hfl3.evaluate import evaluate_core, load_core_bundle
+from hfl3.trainers.launch import end_distributed_run
 
 state = PartialState(cpu=True)  # gloo across torchrun's processes
 tokenizer = AutoTokenizer.from_pretrained({tokenizer!r})
@@ -425,6 +426,7 @@ with open(os.path.join({out!r}, f"rank{{state.process_index}}.json"), "w") as f:
     json.dump({{"world_size": state.num_processes, "forwards": len(model.batches),
                "rows": [batch.tolist() for batch in model.batches], "summary": results.summary(),
                "correct": [task.correct for task in results.tasks]}}, f)
+end_distributed_run()  # as `python -m hfl3.evaluate core` ends
 """
 
 

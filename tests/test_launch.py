@@ -1,10 +1,13 @@
 """Quiet launches: `import hfl3` prints nothing (torchao's import-time warnings are kept for the AO FP8 backend),
 hfl3.fp8 works without torchao, a bad recipe argument is one clear message, not a traceback, and a distributed setup
 that accelerate silently replaced (fsdp2.yaml on a CPU machine trains as DDP) is refused with one line naming the
-config to use (the real `accelerate launch`: tests/distributed/test_accelerate_configs.py)."""
+config to use (the real `accelerate launch`: tests/distributed/test_accelerate_configs.py); and every rank of a
+multi-process run ends through `end_distributed_run` at exit status 0 with what it wrote flushed, while a rank that
+raised still fails the launch."""
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from hfl3.trainers.guards import exit_on_training_error
-from hfl3.trainers.launch import LaunchError, check_launch, launch_problem, parse_recipe_args
+from hfl3.trainers.launch import LaunchError, check_launch, end_distributed_run, launch_problem, parse_recipe_args
 
 # Root logging configured first, as a recipe does, so every logged record would be printed
 LOGGING = "import logging; logging.basicConfig(level=logging.WARNING, format='%(name)s: %(message)s')\n"
@@ -193,3 +196,57 @@ def test_a_launch_error_ends_the_recipe_with_one_line_and_status_2(capsys, monke
         raise LaunchError("what was set up instead; the fix")
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "pretrain.py: error: what was set up instead; the fix\n"
+
+
+# Two ranks under torchrun, as `torchrun -m hfl3.evaluate core` runs: each writes through a buffered stdout (torchrun
+# starts ranks with -u; a plain launch into a pipe or file buffers), a logging handler that writes only when it is
+# closed, an atexit handler and a thread that is not a daemon, then ends with `end_distributed_run`; with "raise",
+# rank 1 raises after the all-reduce instead
+ENDING_RANK = textwrap.dedent("""
+    import atexit, logging, logging.handlers, pathlib, sys, threading, time
+    import torch, torch.distributed as dist
+    from hfl3.trainers.launch import end_distributed_run
+
+    out, mode = pathlib.Path(sys.argv[1]), sys.argv[2]
+    sys.stdout.reconfigure(write_through=False)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    total = torch.full((4,), float(rank + 1))
+    dist.all_reduce(total)
+    if mode == "raise" and rank == 1:
+        raise RuntimeError("rank 1 failed after its all-reduce")
+    print(f"rank {rank}: sum {total.sum().item():g}")
+    log = logging.getLogger("ending")
+    log.addHandler(logging.handlers.MemoryHandler(100, target=logging.FileHandler(out / f"rank{rank}.log")))
+    log.warning("rank %d logged", rank)
+    atexit.register(lambda: (out / f"rank{rank}.atexit").write_text(f"process group up: {dist.is_initialized()}"))
+    threading.Thread(target=lambda: (time.sleep(1), (out / f"rank{rank}.thread").write_text("joined"))).start()
+    end_distributed_run()
+""")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["finish", "raise"])
+def test_ranks_end_with_their_outputs_written_and_a_failure_exits_non_zero(tmp_path, mode):
+    script = tmp_path / "rank.py"
+    script.write_text(ENDING_RANK)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
+                          str(tmp_path), mode], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if mode == "raise":  # the rank that raised exits with Python's status 1; the launcher stops the other one
+        assert run.returncode != 0 and "RuntimeError: rank 1 failed after its all-reduce" in run.stderr
+        assert re.search(r"rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: 1 \(", run.stderr), run.stderr[-3000:]
+        return
+    assert run.returncode == 0, run.stderr[-3000:]  # torchrun: every rank exited with status 0
+    assert sorted(run.stdout.splitlines()) == ["rank 0: sum 12", "rank 1: sum 12"]
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.log").read_text() == f"rank {rank} logged\n"
+        assert (tmp_path / f"rank{rank}.atexit").read_text() == "process group up: False"
+        assert (tmp_path / f"rank{rank}.thread").read_text() == "joined"
+    assert "terminate called" not in run.stderr
+
+
+def test_end_distributed_run_without_a_process_group_is_python_exit():
+    with pytest.raises(SystemExit) as exit_info:
+        end_distributed_run()
+    assert exit_info.value.code == 0

@@ -2,12 +2,11 @@
 spawned so that they end cleanly (`spawn_gloo_ranks`), and the float32 tolerance of an averaged gradient
 (`gradient_tolerance`)."""
 
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from hfl3.trainers.launch import end_distributed_run
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps  # 2**-23
 
@@ -16,29 +15,27 @@ def spawn_gloo_ranks(function, world_size: int, store_path, *args) -> None:
     """Run `function(rank, *args)` in `world_size` spawned processes joined in one gloo process group (file store at
     `store_path`, 1 thread each, as torchrun sets), and raise the first rank's exception if any.
 
-    A rank that returns waits at a barrier for all the others (no rank leaves while a collective it takes part in is
-    in flight), destroys the process group and ends with `os._exit(0)`, without finalizing the interpreter. Once a
-    DTensor or a DeviceMesh was used (FSDP2, the sharded Muon step), torch 2.13 keeps the gloo process group
-    referenced past `destroy_process_group`: its threads (`pt_gloo_runloop`, `gloo_tcp_loop`) are still running while
-    the interpreter finalizes (after a plain all-reduce they are joined). A gloo thread that takes the GIL then, to
-    drop a Python object when it finishes a collective a moment after the rank's main thread moved on, is ended by
-    Python 3.11 with `pthread_exit`, whose forced unwind through a noexcept frame calls `std::terminate`: "terminate
-    called without an active exception", the rank dies of SIGABRT (the gdb backtrace and the repetitions are in
-    dev/LOG.md, 2026-11-24). A rank that raises exits as `mp.spawn` makes it, after writing its traceback, which the
-    parent raises.
+    A rank that returns ends as every multi-process entry point of hfl3 does, through
+    `hfl3.trainers.launch.end_distributed_run` (barrier, process group destroyed, exit 0 without finalizing the
+    interpreter: its docstring gives the abort this avoids). A rank that raises exits as `mp.spawn` makes it, after
+    writing its traceback, which the parent raises. When the wait itself is interrupted (pytest-timeout), no rank is
+    left running.
     """
-    mp.spawn(_run_rank, args=(world_size, str(store_path), function, args), nprocs=world_size, join=True)
+    ranks = mp.spawn(_run_rank, args=(world_size, str(store_path), function, args), nprocs=world_size, join=False)
+    try:
+        while not ranks.join():
+            pass
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
 
 
 def _run_rank(rank: int, world_size: int, store_path: str, function, args: tuple) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     function(rank, *args)
-    dist.barrier()  # no rank closes its connections while another still waits in a collective on it
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_distributed_run()
 
 
 def gradient_tolerance(gradient: torch.Tensor, positions: int, hidden_size: int) -> float:

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hfl3.trainers.launch import end_distributed_run
+
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
@@ -128,13 +130,8 @@ def run(plan_path: str) -> None:
             path.with_suffix(".tmp").write_text(json.dumps(record, indent=1, default=str))
             path.with_suffix(".tmp").replace(path)
         print(f"[recipe_runner] rank {rank} finished {entry['name']}: error={record['error']}", flush=True)
-    if dist.is_initialized():
-        # Every rank past its last collective, then the gloo threads joined before the interpreter finalizes: a
-        # gloo thread still finishing a collective then would be ended by Python with pthread_exit, and the forced
-        # unwind through a noexcept frame aborts the rank (equivalence.spawn_gloo_ranks)
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     run(sys.argv[1])
+    end_distributed_run()  # as the recipes end
