@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hfl3.distributed import from_main
     from hfl3.evaluate import evaluate_core, load_core_bundle, resolve_bundle_dir
     from hfl3.evaluate.core import default_max_length
     from hfl3.atomic import write_json_atomic
@@ -78,10 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
     state = PartialState(cpu=args.use_cpu or not torch.cuda.is_available())
     logging.basicConfig(level=logging.INFO if state.is_main_process else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
-    try:  # the bundle first: a bad one stops before the model loads
-        with state.main_process_first():
-            bundle_dir = resolve_bundle_dir(args.core_bundle_dir)
-        bundle = load_core_bundle(bundle_dir, args.max_per_task)
+    try:  # the bundle first: a bad one stops every process before the model loads; only machine 0 needs it
+        bundle = from_main(lambda: load_core_bundle(resolve_bundle_dir(args.core_bundle_dir), args.max_per_task))
     except ValueError as error:
         print(f"{USAGE}\npython -m hfl3.evaluate core: error: {error}", file=sys.stderr)
         sys.exit(2)
