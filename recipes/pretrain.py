@@ -16,6 +16,10 @@
     # + nanochat's CORE metric every 2000 steps and at the end (its eval bundle: --core_bundle_dir, or downloaded once)
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/pretrain.py \
         --config recipes/configs/fineweb_d12.yaml --core_metric_every 2000 --core_metric_max_per_task 500
+    # nanochat's d12 on 2 machines of 8 GPUs: this command on each, with --machine_rank 0 and 1 (README: Scaling out)
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_machines 2 --num_processes 16 \
+        --machine_rank 0 --main_process_ip 10.0.0.1 --main_process_port 29500 recipes/pretrain.py \
+        --config recipes/configs/fineweb_d12.yaml
 
 The training data is a stream (`hfl3.data.streaming`): documents are read, tokenized and packed on the fly in each
 process's DataLoader workers (`--dataloader_num_workers`), memory flat in corpus size, and a checkpoint resumes it

@@ -5,6 +5,10 @@
     # any AutoModelForCausalLM, a local bundle, 8 GPUs (each scores its share of the items)
     torchrun --nproc_per_node 8 -m hfl3.evaluate core --model_name_or_path openai-community/gpt2 \\
         --core_bundle_dir ~/.cache/nanochat/eval_bundle --dtype bfloat16
+    # 2 machines (this command on each, --machine_rank 0 and 1; the bundle is read on machine 0 and sent to the other)
+    accelerate launch --config_file accelerate_configs/multi_cpu_ddp.yaml --num_machines 2 --num_processes 2 \\
+        --machine_rank 0 --main_process_ip 10.0.0.1 --main_process_port 29500 -m hfl3.evaluate core \\
+        --model_name_or_path outputs/demo --core_bundle_dir eval_bundle --use_cpu
 
 Prints one line per task (accuracy, centered accuracy) and the CORE score; `--output_json` gets the same numbers,
 the bundle's sha256 and the settings, with no local absolute path in it.
