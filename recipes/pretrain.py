@@ -16,6 +16,10 @@
     # + nanochat's CORE metric every 2000 steps and at the end (its eval bundle: --core_bundle_dir, or downloaded once)
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/pretrain.py \
         --config recipes/configs/fineweb_d12.yaml --core_metric_every 2000 --core_metric_max_per_task 500
+    # nanochat's d12 on 2 machines of 8 GPUs: this command on each, with --machine_rank 0 and 1 (README: Scaling out)
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_machines 2 --num_processes 16 \
+        --machine_rank 0 --main_process_ip 10.0.0.1 --main_process_port 29500 recipes/pretrain.py \
+        --config recipes/configs/fineweb_d12.yaml
 
 The training data is a stream (`hfl3.data.streaming`): documents are read, tokenized and packed on the fly in each
 process's DataLoader workers (`--dataloader_num_workers`), memory flat in corpus size, and a checkpoint resumes it
@@ -49,6 +53,7 @@ from hfl3.callbacks import LossPlotCallback, SampleCallback, ThroughputCallback
 from hfl3.data import sources
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
+from hfl3.distributed import check_same_on_all_ranks, from_main, main_writes
 from hfl3.evaluate import CoreMetricCallback, check_core_bundle, core_bundle_for_training
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
@@ -154,10 +159,11 @@ def check_inputs(script_args: ScriptArguments, model_args: ModelArguments, train
 
 def plan_run(model_args: ModelArguments, training_args: PretrainConfig, vocab_size: int) -> ComputeOptimalPlan:
     """nanochat's compute-optimal plan for this model at `vocab_size` (reference: the same model arguments at depth
-    12 without L3 layers, nanochat's `build_model_meta(12)`), its table logged by the main process."""
+    12 without L3 layers, nanochat's `build_model_meta(12)`), computed by global rank 0 for every rank, its table
+    logged by the main process."""
     max_length = training_args.max_length
     reference = replace(model_args, depth=REFERENCE_DEPTH, l3_after_layers=None).config(vocab_size, max_length)
-    plan = compute_optimal_plan(model_args.config(vocab_size, max_length), reference, training_args)
+    plan = from_main(lambda: compute_optimal_plan(model_args.config(vocab_size, max_length), reference, training_args))
     if training_args.process_index == 0:
         logger.info("%s", plan.table())
     return plan
@@ -178,18 +184,19 @@ def open_data(script_args: ScriptArguments, seed: int) -> tuple[DocumentSource, 
 
 def prepare_tokenizer(script_args: ScriptArguments, training_args: PretrainConfig, documents: DocumentSource):
     """The checkpoint's tokenizer when resuming; else the given tokenizer, or a BPE trained on the first
-    `tokenizer_train_chars` characters of the training documents (main process first, then shared through the
-    staging area: `output_dir` itself is not touched before training)."""
+    `tokenizer_train_chars` characters of the training documents by global rank 0 into the staging area (`output_dir`
+    itself is not touched before training), read from there by every rank (`main_writes`: a machine that does not
+    see rank 0's disk gets a copy through the process group)."""
     if training_args.resume_from_checkpoint:
         return load_tokenizer(training_args.resume_from_checkpoint)
     if script_args.tokenizer_name_or_path:
         return load_tokenizer(script_args.tokenizer_name_or_path)
     saved = work_dir(training_args.output_dir) / "tokenizer"
-    with training_args.main_process_first(desc="train tokenizer"):
-        if training_args.process_index == 0:
+    with main_writes(saved) as writing:
+        if writing:
             train_tokenizer(documents.sample_texts(script_args.tokenizer_train_chars),
                             script_args.vocab_size).save_pretrained(saved)
-        return load_tokenizer(str(saved))
+    return load_tokenizer(str(saved))
 
 
 @dataclass
@@ -205,7 +212,12 @@ class PretrainData:
 
 
 def prepare_data(script_args: ScriptArguments, training_args: PretrainConfig, max_length: int) -> PretrainData:
-    """The training stream (with its tokenizer) and the validation rows."""
+    """The training stream (with its tokenizer) and the validation rows (packed by global rank 0 for every rank).
+
+    Raises:
+        ValueError: the training stream differs between ranks (another copy of the data on a machine); no full
+            validation row.
+    """
     train_documents, eval_documents = open_data(script_args, training_args.seed)
     logger.info("corpus: %d shard(s), validation: %s", len(train_documents.corpus.shards),
                 script_args.eval_dataset or f"hash split, {script_args.val_fraction:.0%} of the documents")
@@ -213,9 +225,11 @@ def prepare_data(script_args: ScriptArguments, training_args: PretrainConfig, ma
     max_chars = max_length if script_args.document_max_chars is None else script_args.document_max_chars
     stream = PackedStream(train_documents, tokenizer, max_length, max_chars, script_args.packing_buffer,
                           script_args.shuffle_buffer)
-    eval_rows, eval_report, eval_counts = PackedStream(
+    check_same_on_all_ranks(stream.fingerprint(), "the training stream (data files, split, tokenizer, packing)",
+                            "give every machine the same --dataset files and arguments")
+    eval_rows, eval_report, eval_counts = from_main(lambda: PackedStream(
         eval_documents, tokenizer, max_length, max_chars, script_args.packing_buffer, shuffle_buffer=0
-    ).materialize(script_args.max_eval_rows)
+    ).materialize(script_args.max_eval_rows))
     logger.info("validation: %d rows from %d documents (cropped %.2f%%, %d duplicate documents dropped)",
                 len(eval_rows), eval_counts["documents"], 100 * eval_report.cropped_share, eval_counts["duplicates"])
     if not len(eval_rows):
@@ -294,12 +308,12 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
 
 def build_model(script_args: ScriptArguments, training_args: PretrainConfig, config: L3GPTConfig,
                 data: PretrainData) -> L3GPTForCausalLM:
-    """A fresh L3GPT with its L3 allocation from a sample of the training stream (a resumed run takes the
-    checkpoint's), converted to FP8 when `--fp8` asks."""
+    """A fresh L3GPT with its L3 allocation from a sample of the training stream (computed by global rank 0 for every
+    rank; a resumed run takes the checkpoint's), converted to FP8 when `--fp8` asks."""
     model = L3GPTForCausalLM(config)
     if config.l3_after_layers and not training_args.resume_from_checkpoint:
-        sample = data.train.sample_documents(script_args.l3_sample_tokens)
-        model.set_l3_allocation(lzw_allocation(sample, config.vocab_size, config.l3_n_emb, config.l3_k_max))
+        model.set_l3_allocation(from_main(lambda: lzw_allocation(data.train.sample_documents(
+            script_args.l3_sample_tokens), config.vocab_size, config.l3_n_emb, config.l3_k_max)))
         counts = model.model.l3_counts().float()
         logger.info("L3 allocation: mean %.1f, max %d, tokens at k_max %d", counts.mean(), counts.max(),
                     int((counts == config.l3_k_max).sum()))

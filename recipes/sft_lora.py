@@ -47,6 +47,7 @@ from hfl3.callbacks import save_loss_plot
 from hfl3.data.chat import write_chat_jsonl
 from hfl3.data.sft import load_sft_data
 from hfl3.data.stdlib import stdlib_docstring_chats
+from hfl3.distributed import main_writes
 from hfl3.generation import answer_prompts
 from hfl3.atomic import write_json_atomic
 from hfl3.provenance import build_metadata, config_sha256
@@ -202,10 +203,10 @@ def build_trainer(script_args: SFTScriptArguments, training_args: SFTLoRAConfig,
     check_arguments(script_args, training_args, model_args)
     tokenizer = load_tokenizer(model_args, training_args)
     train_file = script_args.train_file
-    if script_args.stdlib_chats:  # each node's first process writes the file, the others read it
+    if script_args.stdlib_chats:  # global rank 0 writes the file, every machine reads it (main_writes)
         train_file = work_dir(training_args.output_dir) / "stdlib_chats.jsonl"  # output_dir untouched until the end
-        with training_args.main_process_first(desc="stdlib chats"):
-            if training_args.local_process_index == 0:
+        with main_writes(train_file) as writing:
+            if writing:
                 write_chat_jsonl(stdlib_docstring_chats(script_args.stdlib_chats, seed=training_args.seed), train_file)
     data = load_sft_data(tokenizer, train_file, eval_file=script_args.eval_file, val_split=script_args.val_split,
                          seed=training_args.seed, max_length=training_args.max_length,

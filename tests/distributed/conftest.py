@@ -12,8 +12,12 @@ DeepSpeed compiles its shm_comm op on the first start (30-80 s on an idle CPU); 
 build/torch_extensions so that later sessions and CI runs reuse it.
 """
 
+import contextlib
 import json
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +35,8 @@ PRETRAIN_STEPS = 20
 PRETRAIN_DEPTH = 3
 CHECKPOINT_STEP = 10
 SFT_CHATS = 32
+MACHINES_TIMEOUT_S = 60  # --ddp_timeout of the two-machine launches: a machine that stops answering ends the others
+CORE_BUNDLE = REPO_ROOT / "tests" / "fixtures" / "core_bundle"
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / "build" / "torch_extensions"))
 
@@ -44,6 +50,7 @@ class Launch:
     log: str
     seconds: float
     workdir: Path
+    lost: dict | None = None  # launch_machines(lose_machine_1_after=...): machine 0's exit code and time to stop
 
     def run(self, name: str) -> list[dict]:
         """The records of run `name` in rank order; fails with the log tail when no rank recorded it."""
@@ -101,7 +108,7 @@ def pretrain_run(name: str, output_dir: Path, per_device_batch: int, *extra: str
     subtracts a multiple of the last layer's own output, which the final RMSNorm cancels: its gradient is pure
     round-off): 20 steps, evaluation at steps 0, 10 and 20; `record_rows`: every rank writes the hashes of the rows
     it trains on, `record_gradients`: the first step's gradients are written (recipe_runner.py)."""
-    args = ["--config", "recipes/configs/pretrain_tiny.yaml", "--depth", str(PRETRAIN_DEPTH),
+    args = ["--config", str(REPO_ROOT / "recipes/configs/pretrain_tiny.yaml"), "--depth", str(PRETRAIN_DEPTH),
             "--output_dir", str(output_dir), "--per_device_train_batch_size", str(per_device_batch),
             "--max_steps", str(PRETRAIN_STEPS), "--eval_steps", "10", "--report_to", "none", "--disable_tqdm", "true",
             "--ddp_timeout", str(COLLECTIVE_TIMEOUT_S), *extra]
@@ -109,14 +116,15 @@ def pretrain_run(name: str, output_dir: Path, per_device_batch: int, *extra: str
             "record_rows": record_rows, "record_gradients": record_gradients}
 
 
-def sft_run(name: str, base_model: Path, chats: Path, output_dir: Path, per_device_batch: int, *extra: str,
+def sft_run(name: str, base_model: Path, chats: Path | int, output_dir: Path, per_device_batch: int, *extra: str,
             continue_on_error=False) -> dict:
     """recipes/sft_lora.py on recipes/configs/sft_tiny.yaml: LoRA on q_proj/v_proj of `base_model`, the `chats`
-    JSONL with a quarter held out, 2 epochs. `--dataloader_drop_last`: 22 training chats do not fill the last global
-    batch of 4, and accelerate would complete it on 2 processes with chats from the start of the epoch
-    (`even_batches`), which one process does not do."""
-    args = ["--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path", str(base_model),
-            "--train_file", str(chats), "--val_split", "0.25", "--output_dir", str(output_dir),
+    JSONL (or, for a number, `--stdlib_chats chats`) with a quarter held out, 2 epochs. `--dataloader_drop_last`: 22
+    training chats do not fill the last global batch of 4, and accelerate would complete it on 2 processes with chats
+    from the start of the epoch (`even_batches`), which one process does not do."""
+    data = ["--stdlib_chats", str(chats)] if isinstance(chats, int) else ["--train_file", str(chats)]
+    args = ["--config", str(REPO_ROOT / "recipes/configs/sft_tiny.yaml"), "--model_name_or_path", str(base_model),
+            *data, "--val_split", "0.25", "--output_dir", str(output_dir),
             "--per_device_train_batch_size", str(per_device_batch), "--per_device_eval_batch_size", "4",
             "--dataloader_drop_last", "true", "--report_to", "none", "--ddp_timeout", str(COLLECTIVE_TIMEOUT_S),
             *extra]
@@ -178,14 +186,13 @@ def sft_base(reference, distributed_dir) -> Path:
 @pytest.fixture(scope="session")
 def ddp(distributed_dir, sft_base, sft_chats) -> Launch:
     """accelerate_configs/multi_cpu_ddp.yaml (2 processes, gloo): pretrain AdamW (checkpoint at step 10; the stream
-    read in 1 DataLoader worker per process), its resumption from that checkpoint, pretrain Muon, SFT LoRA."""
+    read in 1 DataLoader worker per process), pretrain Muon, SFT LoRA. The DDP resume is the two-machine launches'
+    (`machines_resumed`: the same run, resumed after machine 1 was lost)."""
     out = distributed_dir / "ddp"
     worker = ("--dataloader_num_workers", "1")
     return launch("multi_cpu_ddp.yaml", [
         pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, "--use_cpu", *worker, *CHECKPOINTED,
                      record_rows=True, record_gradients=True),
-        pretrain_run("pretrain_adamw_resumed", out / "pretrain_adamw_resumed", 4, "--use_cpu", *worker,
-                     *resumed_from(out / "pretrain_adamw"), record_rows=True),
         pretrain_run("pretrain_muon", out / "pretrain_muon", 4, "--use_cpu", "--optim", "muon"),
         sft_run("sft_lora", sft_base, sft_chats, out / "sft_lora", 2, "--use_cpu", continue_on_error=True),
     ], out)
@@ -243,3 +250,108 @@ def fsdp2_gpu(distributed_dir) -> Launch:
         pretrain_run("pretrain_adamw", out / "pretrain_adamw", per_device),
         pretrain_run("pretrain_muon", out / "pretrain_muon", per_device, "--optim", "muon"),
     ], out, launch_args=("--num_processes", str(gpus)))
+
+
+ON_MACHINES = ("--use_cpu", "--dataloader_num_workers", "1", *CHECKPOINTED, "--ddp_timeout", str(MACHINES_TIMEOUT_S))
+"""The `ddp` launch's pretraining arguments (the same run), with the two-machine launches' collective timeout."""
+
+
+def launch_machines(runs: list[dict], workdir: Path, name: str, lose_machine_1_after: str | None = None) -> Launch:
+    """Run `runs` (as `launch` does) on two machines stood in for by two launchers on this host: `accelerate launch
+    --config_file accelerate_configs/multi_cpu_ddp.yaml --num_machines 2 --num_processes 2 --machine_rank M
+    --main_process_ip 127.0.0.1 --main_process_port P`, one process each, each in its own working directory
+    `workdir/machine<M>`: a relative path (`--output_dir out`) is on that machine's own disk, an absolute one on a
+    filesystem both share. Logs: `workdir/<name>.machine<M>.log`.
+
+    `lose_machine_1_after`: once that path (relative to machine 0's directory) exists, machine 1 is lost: its
+    launcher and its rank are killed (SIGKILL). `Launch.lost` holds machine 0's exit code (`exit`) and the seconds
+    from the kill to its end (`stop_s`). Without it, both launchers must exit 0.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan = workdir / "plan.json"
+    plan.write_text(json.dumps({"results_dir": str(workdir), "runs": runs}, indent=1))
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1"}
+    logs = [workdir / f"{name}.machine{machine}.log" for machine in range(2)]
+    launchers = []
+    for machine, log in enumerate(logs):
+        (workdir / f"machine{machine}").mkdir(exist_ok=True)
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(CONFIGS / "multi_cpu_ddp.yaml"), "--num_machines", "2", "--num_processes", "2",
+                   "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port",
+                   str(port), str(RUNNER), str(plan)]
+        launchers.append(subprocess.Popen(command, cwd=workdir / f"machine{machine}", env=env, stdout=log.open("w"),
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+
+    def kill(machine: int) -> None:  # the launcher's process group, and the rank it started (its own session)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launchers[machine].pid, signal.SIGKILL)
+        pid = workdir / f"rank{machine}.pid"
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError, ValueError):
+            os.kill(int(pid.read_text()), signal.SIGKILL)
+
+    start, lost = time.perf_counter(), None
+    try:
+        if lose_machine_1_after:
+            while not (workdir / "machine0" / lose_machine_1_after).exists():
+                if launchers[0].poll() is not None or time.perf_counter() - start > LAUNCH_TIMEOUT_S:
+                    pytest.fail(f"{name}: machine 0 ended before {lose_machine_1_after} appeared:\n"
+                                f"{logs[0].read_text()[-4000:]}")
+                time.sleep(0.05)
+            kill(1)
+            killed = time.perf_counter()
+            lost = {"exit": launchers[0].wait(timeout=LAUNCH_TIMEOUT_S), "stop_s": time.perf_counter() - killed}
+        codes = [launcher.wait(timeout=max(1.0, LAUNCH_TIMEOUT_S - (time.perf_counter() - start)))
+                 for launcher in launchers]
+    finally:
+        for machine, launcher in enumerate(launchers):
+            if launcher.poll() is None:
+                kill(machine)
+    seconds = time.perf_counter() - start
+    log = "\n".join(f"===== machine {machine}\n{path.read_text()}" for machine, path in enumerate(logs))
+    records: dict[str, list[dict]] = {}
+    for path in sorted(workdir.glob("*.rank*.json")):
+        record = json.loads(path.read_text())
+        records.setdefault(record["name"], []).append(record)
+    if lost is None and codes != [0, 0]:
+        errors = {run: [record["error"] for record in found] for run, found in records.items()}
+        pytest.fail(f"{name}: launchers exited {codes} ({seconds:.0f} s); errors per run and rank: {errors}\n"
+                    f"log tail:\n{log[-6000:]}")
+    print(f"\n[distributed] two machines ({name}): {len(runs)} runs in {seconds:.0f} s")
+    return Launch(f"two machines ({name})", records, log, seconds, workdir, lost)
+
+
+@pytest.fixture(scope="session")
+def machines(distributed_dir) -> Launch:
+    """Two machines (`launch_machines`), one process each. In a folder both see (absolute `--output_dir`): pretrain
+    AdamW as the `ddp` launch does, training its own tokenizer, with a checkpoint at step 10 and the CORE metric every
+    10 steps from a bundle only machine 0 has (`--core_bundle_dir core_bundle`, relative); then `python -m
+    hfl3.evaluate core` of that model with the same bundle; then, on their own disks (relative `--output_dir`), the
+    same pretraining, whose machine 1 is lost once machine 0 committed checkpoint-10."""
+    out = distributed_dir / "machines"
+    shutil.copytree(CORE_BUNDLE, out / "machine0" / "core_bundle")
+    core = ("--core_bundle_dir", "core_bundle")
+    return launch_machines([
+        pretrain_run("pretrain_shared", out / "shared" / "pretrain", 4, *ON_MACHINES, *core,
+                     "--core_metric_every", str(CHECKPOINT_STEP), record_rows=True),
+        {"name": "core", "recipe": "core", "args": ["--model_name_or_path", str(out / "shared" / "pretrain"), *core,
+                                                    "--use_cpu", "--output_json", str(out / "core.json")]},
+        {**pretrain_run("pretrain_lost", Path("pretrain"), 4, *ON_MACHINES, record_rows=True), "as_script": True},
+    ], out, "lost", lose_machine_1_after="pretrain/checkpoint-10")
+
+
+@pytest.fixture(scope="session")
+def machines_resumed(machines, sft_base) -> Launch:
+    """The lost pretraining continued on both machines with `--resume_from_checkpoint latest` (machine 1's own
+    directory holds no checkpoint); then SFT LoRA on their own disks, on stdlib chats that machine 0 writes, the
+    epoch-1 adapter kept as the best one (`--greater_is_better true` on the eval loss). SFT comes last: its
+    `Trainer.end()` destroys the process group."""
+    return launch_machines([
+        pretrain_run("pretrain_resumed", Path("pretrain"), 4, *ON_MACHINES, "--resume_from_checkpoint", "latest",
+                     record_rows=True),
+        sft_run("sft", sft_base, SFT_CHATS, Path("sft"), 2, "--use_cpu", "--ddp_timeout", str(MACHINES_TIMEOUT_S),
+                "--greater_is_better", "true"),
+    ], machines.workdir, "resumed")

@@ -6,8 +6,10 @@ On a 2-core CPU, starting the processes (torchrun, then importing torch/transfor
 than training the tiny models, so each launch runs a list of runs. A run is exactly what the command line would do:
 the recipe file's own `make_parser().parse_args_and_config(args)` and `main(...)`, with a fresh parser per run.
 
-PLAN.json: `{"results_dir": DIR, "runs": [{"name": ..., "recipe": "pretrain" | "sft_lora", "args": [...],
-"continue_on_error": false, "record_rows": false, "record_gradients": false}, ...]}`. Every rank writes
+PLAN.json: `{"results_dir": DIR, "runs": [{"name": ..., "recipe": "pretrain" | "sft_lora" | "core", "args": [...],
+"continue_on_error": false, "as_script": false, "record_rows": false, "record_gradients": false}, ...]}` ("core":
+`python -m hfl3.evaluate core ARGS`; `as_script`: inside the recipe's `exit_on_training_error`, as its command line
+runs it). Every rank writes `DIR/rank<R>.pid` first (its process id), then per run
 `DIR/<name>.rank<R>.json`: the world size that the recipe's `TrainingArguments` set up, the torch.distributed world
 size, the metrics `main` returned, and `error` (the exception as text, or null); with `record_rows`, also
 `DIR/<name>.rank<R>.rows.jsonl`: per optimizer step, the sha256 (16 hex digits) of every training row the rank
@@ -102,24 +104,33 @@ def recording_gradients(path: Path):
 
 
 def run(plan_path: str) -> None:
+    from hfl3.evaluate.__main__ import main as evaluate
+    from hfl3.trainers.guards import exit_on_training_error
+
     plan = json.loads(Path(plan_path).read_text())
     results_dir = Path(plan["results_dir"])
     rank = int(os.environ.get("RANK", "0"))
+    (results_dir / f"rank{rank}.pid").write_text(str(os.getpid()))  # a test stops a lost machine's ranks by these
     for entry in plan["runs"]:
-        recipe = load_recipe(entry["recipe"])
         record = {"name": entry["name"], "rank": rank, "args": entry["args"], "error": None, "metrics": None}
         try:
-            script_args, model_args, training_args = recipe.make_parser().parse_args_and_config(entry["args"])
-            record["world_size"] = training_args.world_size
-            record["torch_world_size"] = dist.get_world_size() if dist.is_initialized() else 1
-            rows = results_dir / f"{entry['name']}.rank{rank}.rows.jsonl"
-            gradients = results_dir / f"{entry['name']}.gradients.pt"
-            with contextlib.ExitStack() as recording:
-                if entry.get("record_rows"):
-                    recording.enter_context(recording_rows(rows))
-                if entry.get("record_gradients"):
-                    recording.enter_context(recording_gradients(gradients))
-                record["metrics"] = recipe.main(script_args, training_args, model_args)
+            if entry["recipe"] == "core":
+                record["metrics"] = evaluate(["core", *entry["args"]])
+            else:
+                recipe = load_recipe(entry["recipe"])
+                script_args, model_args, training_args = recipe.make_parser().parse_args_and_config(entry["args"])
+                record["world_size"] = training_args.world_size
+                record["torch_world_size"] = dist.get_world_size() if dist.is_initialized() else 1
+                rows = results_dir / f"{entry['name']}.rank{rank}.rows.jsonl"
+                gradients = results_dir / f"{entry['name']}.gradients.pt"
+                with contextlib.ExitStack() as recording:
+                    if entry.get("as_script"):
+                        recording.enter_context(exit_on_training_error())
+                    if entry.get("record_rows"):
+                        recording.enter_context(recording_rows(rows))
+                    if entry.get("record_gradients"):
+                        recording.enter_context(recording_gradients(gradients))
+                    record["metrics"] = recipe.main(script_args, training_args, model_args)
         except Exception as error:  # recorded for the test, which asserts on the message
             record["error"] = f"{type(error).__name__}: {error}"
             traceback.print_exc()

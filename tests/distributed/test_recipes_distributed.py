@@ -20,7 +20,8 @@ from Muon would train) ends far from its Muon run.
 
 Every run is also checked for the world size that its `TrainingArguments` set up on each rank, the tokens it trained
 on, a falling loss and a saved model or adapter that loads. Resuming from the step-10 checkpoint continues bit for bit
-(the same code path): weights, eval loss and train loss, and the rows trained on (AdamW: row hashes of every rank).
+(the same code path): weights, eval loss and train loss, and the rows trained on (AdamW: row hashes of every rank);
+under ZeRO here, under DDP in test_machines.py (two machines, resumed after one was lost).
 """
 
 import json
@@ -176,16 +177,16 @@ def test_sharded_muon_is_not_a_silent_fallback(request, distributed_dir, config)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, run", [("ddp", "pretrain_adamw"), ("zero2", "pretrain_adamw"),
-                                         ("zero2", "pretrain_muon"), ("zero3", "pretrain_muon")])
+@pytest.mark.parametrize("config, run", [("zero2", "pretrain_adamw"), ("zero2", "pretrain_muon"),
+                                         ("zero3", "pretrain_muon")])
 def test_resume_from_checkpoint_continues_identically(request, distributed_dir, config, run):
+    """DDP's resume: tests/distributed/test_machines.py (two machines, after one was lost)."""
     launch = request.getfixturevalue(config)
     assert_world_size(launch, f"{run}_resumed")
     uninterrupted, resumed = launch.metrics(run), launch.metrics(f"{run}_resumed")
     if run == "pretrain_adamw":
         # every rank trains on exactly the rows the uninterrupted run trained on after step 10, read from the
-        # stream's saved state (DDP: in a DataLoader worker per rank), and the chained digest of the consumed rows
-        # agrees
+        # stream's saved state, and the chained digest of the consumed rows agrees
         for rank, (all_steps, after_resume) in enumerate(zip(launch.rows(run), launch.rows(f"{run}_resumed"))):
             assert len(all_steps) == PRETRAIN_STEPS and all_steps[:CHECKPOINT_STEP] != all_steps[CHECKPOINT_STEP:]
             assert after_resume == all_steps[CHECKPOINT_STEP:], f"rank {rank}"

@@ -5,6 +5,10 @@
     # any AutoModelForCausalLM, a local bundle, 8 GPUs (each scores its share of the items)
     torchrun --nproc_per_node 8 -m hfl3.evaluate core --model_name_or_path openai-community/gpt2 \\
         --core_bundle_dir ~/.cache/nanochat/eval_bundle --dtype bfloat16
+    # 2 machines (this command on each, --machine_rank 0 and 1; the bundle is read on machine 0 and sent to the other)
+    accelerate launch --config_file accelerate_configs/multi_cpu_ddp.yaml --num_machines 2 --num_processes 2 \\
+        --machine_rank 0 --main_process_ip 10.0.0.1 --main_process_port 29500 -m hfl3.evaluate core \\
+        --model_name_or_path outputs/demo --core_bundle_dir eval_bundle --use_cpu
 
 Prints one line per task (accuracy, centered accuracy) and the CORE score; `--output_json` gets the same numbers,
 the bundle's sha256 and the settings, with no local absolute path in it.
@@ -66,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hfl3.distributed import from_main
     from hfl3.evaluate import evaluate_core, load_core_bundle, resolve_bundle_dir
     from hfl3.evaluate.core import default_max_length
     from hfl3.atomic import write_json_atomic
@@ -78,10 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
     state = PartialState(cpu=args.use_cpu or not torch.cuda.is_available())
     logging.basicConfig(level=logging.INFO if state.is_main_process else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
-    try:  # the bundle first: a bad one stops before the model loads
-        with state.main_process_first():
-            bundle_dir = resolve_bundle_dir(args.core_bundle_dir)
-        bundle = load_core_bundle(bundle_dir, args.max_per_task)
+    try:  # the bundle first: a bad one stops every process before the model loads; only machine 0 needs it
+        bundle = from_main(lambda: load_core_bundle(resolve_bundle_dir(args.core_bundle_dir), args.max_per_task))
     except ValueError as error:
         print(f"{USAGE}\npython -m hfl3.evaluate core: error: {error}", file=sys.stderr)
         sys.exit(2)

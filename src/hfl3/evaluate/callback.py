@@ -9,6 +9,7 @@ import time
 
 from transformers import TrainerCallback
 
+from hfl3.distributed import from_main
 from hfl3.evaluate.bundle import (
     CoreBundle,
     bundle_problem,
@@ -42,12 +43,13 @@ def check_core_arguments(args) -> None:
 
 def check_core_bundle(args) -> None:
     """With CORE on (`args.core_metric_every` > 0), refuse a `core_bundle_dir` that is not an eval-bundle folder, or
-    none given while downloads are off (`HF_HUB_OFFLINE`) and no copy is cached. Reads the folder's listing only.
+    none given while downloads are off (`HF_HUB_OFFLINE`) and no copy is cached. Reads the folder's listing only, on
+    global rank 0 only (the one that reads the bundle, `core_bundle_for_training`).
 
     Raises:
         ValueError: one line naming `core_bundle_dir`, the value and what a bundle holds.
     """
-    if args.core_metric_every < 0:
+    if args.core_metric_every < 0 or args.process_index != 0:  # global rank 0 reads it for every rank
         return
     if args.core_bundle_dir is not None:
         problem = bundle_problem(args.core_bundle_dir)
@@ -60,13 +62,13 @@ def check_core_bundle(args) -> None:
 
 def core_bundle_for_training(args) -> CoreBundle | None:
     """The bundle a training run evaluates (None when `core_metric_every` is -1): `core_bundle_dir`, or the cached
-    copy, downloaded first when missing (the local main process first; the others wait and read it), with
-    `core_metric_max_per_task` items per task. Call it before the heavy work, so a bad bundle stops the run early."""
+    copy, downloaded first when missing, with `core_metric_max_per_task` items per task; read by global rank 0 and
+    sent to every rank through the process group (`hfl3.distributed.from_main`: only machine 0 needs the bundle).
+    Call it before the heavy work, so a bad bundle stops the run early (on every rank)."""
     if args.core_metric_every < 0:
         return None
-    with args.main_process_first(desc="CORE eval bundle"):
-        path = resolve_bundle_dir(args.core_bundle_dir)
-    bundle = load_core_bundle(path, args.core_metric_max_per_task)
+    bundle = from_main(lambda: load_core_bundle(resolve_bundle_dir(args.core_bundle_dir),
+                                                args.core_metric_max_per_task))
     logger.info("CORE: %d tasks, %d items (max %d per task), every %d steps and at the end", len(bundle.tasks),
                 sum(len(task.items) for task in bundle.tasks), args.core_metric_max_per_task, args.core_metric_every)
     return bundle

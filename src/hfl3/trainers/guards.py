@@ -24,6 +24,7 @@ import torch
 from transformers.trainer_utils import get_last_checkpoint
 
 from hfl3.callbacks import BeforeLogSaveEvaluate
+from hfl3.distributed import lost_peer_message
 
 from .launch import LaunchError
 
@@ -201,7 +202,9 @@ def exit_on_training_error(prog: str | None = None) -> Iterator[None]:
     stderr and exit status 1 instead of a traceback; a `LaunchError` (a distributed setup accelerate replaced,
     `hfl3.trainers.launch.check_launch`) with exit status 2, as argument errors (`parse_recipe_args`). Every rank
     prints its message (the same on each): the launcher stops the others as soon as one exits, so a message left to
-    rank 0 alone could be cut off."""
+    rank 0 alone could be cut off. A failure of the process group because a rank is gone (its machine lost, its
+    launcher killed) or stopped answering within the collective timeout (`--ddp_timeout`) ends the others with one
+    line naming the lost ranks (`hfl3.distributed.lost_peer_message`) and exit status 1."""
     try:
         yield
     except (NonFiniteTrainingError, LaunchError) as error:
@@ -209,3 +212,11 @@ def exit_on_training_error(prog: str | None = None) -> Iterator[None]:
         sys.stderr.write(f"{prog or os.path.basename(sys.argv[0])}: error: {error}\n")
         sys.stderr.flush()
         sys.exit(2 if isinstance(error, LaunchError) else 1)
+    except RuntimeError as error:  # the process group failed: a lost rank is named, anything else propagates
+        message = lost_peer_message(error)
+        if message is None:
+            raise
+        sys.stderr.write(f"{prog or os.path.basename(sys.argv[0])}: error: {message}\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # no interpreter shutdown: it would wait on the broken group's threads and the data workers

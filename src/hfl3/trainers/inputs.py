@@ -19,7 +19,9 @@ from its recipe's `check_inputs`.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -38,6 +40,7 @@ from huggingface_hub.utils import validate_repo_id
 from trl import TrlParser
 
 from hfl3.data.sources import LOCAL_SUFFIXES
+from hfl3.distributed import check_same_on_all_ranks, on_all_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +54,19 @@ MODEL_FILES = ("config.json",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+PER_MACHINE_ARGUMENTS = frozenset({"output_dir", "logging_dir", "local_rank", "resume_from_checkpoint"})
+"""Arguments that may differ between machines: where each writes (only machine 0 keeps outputs), and the checkpoint,
+which global rank 0 resolves for all (`hfl3.trainers.outputs.prepare_output_dir`)."""
+
+
 class RecipeParser(TrlParser):
     """`TrlParser` that runs `check(*parsed)` on the dataclasses it parsed (in the parser's order), inside
-    `parse_args_and_config`: what `check` raises is an argument error for `parse_recipe_args`."""
+    `parse_args_and_config`: what `check` raises is an argument error for `parse_recipe_args`.
+
+    In a launch of several processes every rank parses and checks; before the check, the arguments must be the same
+    on every rank (but `PER_MACHINE_ARGUMENTS`), and a check that fails on one machine (a file it lacks) fails on
+    every rank with the same line naming that machine (`hfl3.distributed.on_all_ranks`), so that no rank is left
+    waiting for the others. Collectives inside `check` must be such agreeing ones too."""
 
     def __init__(self, dataclass_types: Sequence[type], check: Callable[..., None]):
         super().__init__(dataclass_types)
@@ -61,8 +74,19 @@ class RecipeParser(TrlParser):
 
     def parse_args_and_config(self, args: Iterable[str] | None = None, **kwargs) -> tuple:
         parsed = super().parse_args_and_config(args, **kwargs)
-        self.check(*parsed[: len(self.dataclass_types)])
+        given = parsed[: len(self.dataclass_types)]
+        check_same_on_all_ranks(launch_arguments(given), "the arguments", "start every machine with the same "
+                                "command line (only accelerate's --machine_rank differs)")
+        on_all_ranks(lambda: self.check(*given))
         return parsed
+
+
+def launch_arguments(parsed: Sequence) -> dict[str, str]:
+    """The parsed arguments (dataclass fields given at construction) as `{name: JSON text}`, without
+    `PER_MACHINE_ARGUMENTS`: what every machine of a launch must agree on."""
+    return {field.name: json.dumps(getattr(values, field.name), default=str, sort_keys=True)
+            for values in parsed for field in dataclasses.fields(values)
+            if field.init and field.name not in PER_MACHINE_ARGUMENTS}
 
 
 def is_hub_id(value: str) -> bool:

@@ -141,6 +141,24 @@ def check_launch(training_args) -> int:
     return training_args.world_size
 
 
+def set_up_cpu_process_group(training_args) -> None:
+    """Set up the process group of a `--use_cpu` launch (DDP over gloo) with `--ddp_timeout`, before
+    `TrainingArguments.__post_init__` does it without: transformers 5.23 passes the timeout to accelerate's
+    `PartialState` on every path but `use_cpu`, so torch's 30 minutes applied and a rank whose peer is lost or frozen
+    waited that long. accelerate's `PartialState` is the one that sets it up (its `timeout` reaches
+    `torch.distributed.init_process_group`); transformers then finds the group initialized and keeps it. Call it
+    first in the `__post_init__` of a `TrainingArguments` subclass; without a launch of several processes it does
+    nothing."""
+    import datetime
+
+    import torch.distributed
+    from accelerate import PartialState
+
+    if training_args.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        PartialState(cpu=True, backend=training_args.ddp_backend,
+                     timeout=datetime.timedelta(seconds=training_args.ddp_timeout))
+
+
 def _flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() in ("1", "true", "yes")
 

@@ -1,22 +1,20 @@
-"""Output folders and checkpoints that survive a kill: nothing is lost, and nothing of this machine leaks.
+"""Output folders that survive a kill: where a run writes, checked and resolved before any work, and folders committed
+whole; nothing is lost, and nothing of this machine leaks. The Trainer side (staged checkpoints, the final folder,
+resume checks) is `hfl3.trainers.output_mixins`.
 
 - `prepare_output_dir(args)`: the recipes' first call (made while their arguments are parsed). Refuses a non-empty
   `output_dir` unless the run resumes (`--resume_from_checkpoint latest|true|PATH`) or `--overwrite_output_dir` is
   given, and a push that could not happen; resolves `latest`/`true` to the newest complete checkpoint
   (`latest_checkpoint`); finishes a final folder whose commit was interrupted. Nothing in `output_dir` is touched
-  before training.
-- `OutputFolderMixin` (a Trainer mixin): every checkpoint is written to `output_dir/_hfl3_staging/checkpoints/
-  checkpoint-N` and renamed to `output_dir/checkpoint-N` once complete, with `hfl3_run.json` (the run's fingerprint
-  and its loss and time so far); every saved folder is stamped with the run's provenance (`hfl3.provenance`); a resume
-  refuses a checkpoint of another model config, tokenizer or data, naming the difference, and reports `train_loss`
-  and throughput over the whole run; `finish_output()` stages the final folder and commits it; `push_output()`
-  uploads it. `L3GPTOutputs` and `SFTOutputs` add their model's card (`hfl3.trainers.cards`).
-- An adapter's base model (`SFTOutputs`): the local `adapter_config.json` names a local base by its absolute path,
-  the only local path in any output, because PEFT resolves `base_model_name_or_path` against the working directory;
-  what is pushed names the base's Hub id (`base_model_hub_id`).
+  before training. Across machines global rank 0 decides and every machine reads its checkpoint
+  (`hfl3.distributed`).
+- `commit_folder(staged, folder)`: a staged folder moved in, weights last, finished by the next start after a kill.
+- An adapter's base model: the local `adapter_config.json` names a local base by its absolute path
+  (`local_base_model`), the only local path in any output, because PEFT resolves `base_model_name_or_path` against
+  the working directory; what is pushed names the base's Hub id (`base_model_hub_id`).
 
 Layout of the staging area, ignored by `get_last_checkpoint`, `rotate_checkpoints` and the Hub upload:
-`output_dir/_hfl3_staging/{checkpoints/checkpoint-N, final, previous, work, upload}`.
+`output_dir/_hfl3_staging/{checkpoints/checkpoint-N, final, previous, work, resume, upload}`.
 """
 
 from __future__ import annotations
@@ -27,18 +25,12 @@ import logging
 import os
 import re
 import shutil
-import time
-from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
-import torch
 from huggingface_hub import constants as hub_constants
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, speed_metrics
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from hfl3.atomic import write_json_atomic
-from hfl3.provenance import portable, push_folder_to_hub, sha256_records, stamp_folder
-from hfl3.trainers.cards import l3gpt_model_card, sft_model_card, usage_name
+from hfl3.distributed import SeparateDisks, checkpoint_on_this_machine, from_main, on_all_ranks, separate_disks
 from hfl3.trainers.inputs import is_hub_id
 
 logger = logging.getLogger(__name__)
@@ -47,9 +39,8 @@ STAGING = "_hfl3_staging"
 RUN_STATE = "hfl3_run.json"
 COMPLETE = ".complete"
 LATEST = ("latest", "true", "True", "1")
-_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+CHECKPOINT_FOLDER = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _WEIGHTS = re.compile(r".*\.(safetensors|bin|pt)$|.*\.index\.json$")
-_NO_TOTALS = {"train_loss_sum": 0.0, "train_runtime": 0.0, "global_step": 0}
 
 
 def work_dir(output_dir: str | os.PathLike) -> Path:
@@ -79,8 +70,9 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> str | None:
     if staged.is_dir():
         for leftover in sorted(staged.iterdir()):
             logger.warning("skipping %s: interrupted while saving (incomplete, never renamed)", leftover.name)
-    checkpoints = [p for p in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir() and _CHECKPOINT.match(p.name)]
-    for folder in sorted(checkpoints, key=lambda p: int(_CHECKPOINT.match(p.name).group(1)), reverse=True):
+    checkpoints = [p for p in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+                   if p.is_dir() and CHECKPOINT_FOLDER.match(p.name)]
+    for folder in sorted(checkpoints, key=lambda p: int(CHECKPOINT_FOLDER.match(p.name).group(1)), reverse=True):
         problem = checkpoint_problem(folder)
         if problem is None:
             return str(folder)
@@ -107,14 +99,32 @@ def prepare_output_dir(args) -> str | None:
     `--resume_from_checkpoint latest` (or `true`) means the newest complete checkpoint of `output_dir`; with none
     there the run starts from scratch (a warning says so), so a restart loop can always pass it.
 
+    Across machines (a collective: every rank calls it): each rank checks its own `output_dir`, and a problem on one
+    machine stops every rank with the same line; global rank 0 alone finishes an interrupted commit, resolves the
+    checkpoint and checks the folder's content (only it writes outputs); a machine that does not see rank 0's
+    checkpoint gets a copy from it through the process group (`hfl3.distributed.checkpoint_on_this_machine`, into
+    `output_dir/_hfl3_staging/resume/`, removed when the run finishes).
+
     Raises:
         FileExistsError: `output_dir` is a file, or holds files and the run neither resumes nor has
             `--overwrite_output_dir`.
         PermissionError: `output_dir` cannot be created or written (its nearest existing folder is not writable).
         FileNotFoundError: `--resume_from_checkpoint PATH` is not a folder.
         ValueError: `--push_to_hub` without a valid `--hub_model_id`, or offline (`HF_HUB_OFFLINE=1`); the
-            checkpoint given is incomplete.
+            checkpoint given is incomplete; a setup across machines that cannot keep its checkpoints whole
+            (`check_machines`).
     """
+    output_dir = Path(args.output_dir)
+    on_all_ranks(lambda: check_output_dir(args))
+    check_machines(args, separate_disks(output_dir / STAGING))
+    resume = from_main(lambda: resolve_resume(args))
+    args.resume_from_checkpoint = checkpoint_on_this_machine(resume, output_dir / STAGING / "resume")
+    return args.resume_from_checkpoint
+
+
+def check_output_dir(args) -> None:
+    """This machine's side of `prepare_output_dir`: `output_dir` can be a folder this user writes; a push could
+    happen."""
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise FileExistsError(f"--output_dir {output_dir}: is a file; expected a folder (created if missing)")
@@ -124,6 +134,33 @@ def prepare_output_dir(args) -> str | None:
                               "writable; expected a folder this user can create and write")
     if args.push_to_hub:
         check_push_arguments(args)
+
+
+def check_machines(args, disks: SeparateDisks) -> None:
+    """Refuse, before any work, a run across machines whose checkpoints could not be whole on global rank 0's disk.
+
+    Raises:
+        ValueError: `--save_on_each_node` on several machines (each machine would commit a checkpoint holding only
+            its own ranks' state); DeepSpeed or FSDP where a machine does not see rank 0's `output_dir` (their
+            ranks save and load their own shards; hfl3 moves only DDP's per-rank state between disks).
+    """
+    machines = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if machines > 1 and args.save_on_each_node:
+        raise ValueError("--save_on_each_node: hfl3 gathers every rank's state into the checkpoint of global rank 0, "
+                         "complete on machine 0's disk and resumable from it alone; drop --save_on_each_node")
+    sharded = args.deepspeed or args.fsdp or any(os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() in
+                                                 ("1", "true") for name in ("DEEPSPEED", "FSDP"))
+    if disks.writers and sharded:
+        raise ValueError(f"--output_dir {args.output_dir}: machine(s) of rank(s) {', '.join(map(str, disks.writers))} "
+                         "do not see machine 0's folder, and DeepSpeed/FSDP ranks save and load their own shards "
+                         "there; put --output_dir on a filesystem every machine mounts, or train with DDP "
+                         "(accelerate_configs/multi_gpu.yaml)")
+
+
+def resolve_resume(args) -> str | None:
+    """Global rank 0's side of `prepare_output_dir`: finish an interrupted commit, resolve the checkpoint, refuse a
+    non-empty `output_dir` of another run. Returns the checkpoint folder or None."""
+    output_dir = Path(args.output_dir)
     final = output_dir / STAGING / "final"
     if args.should_save and (final / COMPLETE).is_file():
         logger.warning("%s: finishing the commit of a final folder interrupted by a kill", output_dir)
@@ -140,7 +177,6 @@ def prepare_output_dir(args) -> str | None:
         if problem := checkpoint_problem(resume):
             raise ValueError(f"--resume_from_checkpoint {resume}: incomplete checkpoint ({problem}); pass "
                              "--resume_from_checkpoint latest for the newest complete one")
-    args.resume_from_checkpoint = resume
     overwrite = getattr(args, "overwrite_output_dir", False)
     present = sorted(p.name for p in output_dir.iterdir() if p.name != STAGING) if output_dir.is_dir() else []
     if resume is None and present and not overwrite:
@@ -217,363 +253,3 @@ def local_base_model(name_or_path: str) -> str:
     directory of whoever loads the adapter; a Hub id as given. The one place an hfl3 output holds a local path: the
     copy pushed to the Hub names the base's Hub id instead (`SFTOutputs.hub_files`)."""
     return str(Path(name_or_path).resolve()) if Path(name_or_path).is_dir() else name_or_path
-
-
-def _differences(saved: Mapping, current: Mapping, prefix: str = "") -> list[str]:
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key), current.get(key)
-        if isinstance(a, Mapping) and isinstance(b, Mapping):
-            out += _differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}: {json.dumps(a)[:60]} (checkpoint) vs {json.dumps(b)[:60]} (now)")
-    return out
-
-
-class OutputFolderMixin:
-    """Trainer mixin (before `Trainer`/`SFTTrainer` in the bases) for crash-safe output folders that carry their
-    provenance; see the module docstring.
-
-    Public hooks only, but one: `train` (resolves `latest`, refuses another run's checkpoint), `training_step` and
-    `log` (the run's loss, reported over the whole run after a resume), `get_batch_samples` (a finished run trains
-    nothing more), `save_model` (no `training_args.bin`; `metadata.json`, safetensors header and model card when
-    `provenance` is set), `create_model_card`, `save_metrics`, `save_state`. `_save_checkpoint` stays overridden:
-    the staged write and the rename that completes it must wrap the Trainer's whole checkpoint, which no public hook
-    does (`on_save` runs after it; `tests/test_trainer_hooks.py` pins its signature).
-
-    `TrainingArguments.push_to_hub` is taken over at construction: the Trainer would otherwise upload unfinished
-    checkpoint folders and re-save the model into `output_dir`; `push_output()` uploads the committed folder with
-    the same `hub_model_id`, `hub_private_repo`, `hub_token` and `hub_revision`.
-
-    Attributes:
-        provenance: a `build_metadata` dict stamped into every saved folder, or None (nothing stamped).
-        run_totals: the resumed checkpoint's `{"train_loss_sum", "train_runtime", "global_step"}`, zeros when the
-            run started from scratch.
-    """
-
-    provenance: dict | None = None
-
-    def __init__(self, *args, **kwargs):
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        self.push_at_end = bool(training_args is not None and training_args.push_to_hub)
-        if self.push_at_end:
-            training_args.push_to_hub = False
-        super().__init__(*args, **kwargs)
-        self.final_output_dir = self.args.output_dir
-        self.run_totals = dict(_NO_TOTALS)
-        self._train_started = time.time()
-        self._stale_checkpoints: list[Path] = []
-        self._run_loss = _LossTally()
-
-    # ---- fingerprint and resume ----
-
-    def run_fingerprint(self) -> dict:
-        """What a resumed run must share with its checkpoint: the model config (without where it was loaded from),
-        the tokenizer's sha256 (vocabulary, merges, chat template) and the data (a streamed dataset's
-        `fingerprint()`, else the `*_sha256` entries of `provenance["data"]`)."""
-        model = self.accelerator.unwrap_model(self.model)
-        model = model.get_base_model() if hasattr(model, "get_base_model") else model
-        # Not the architecture: where it was loaded from, what save_pretrained adds, the special-token ids the
-        # Trainer aligns with the tokenizer at train start (the tokenizer's sha256 covers them)
-        skip = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures", "auto_map",
-                "bos_token_id", "eos_token_id", "pad_token_id")
-        config = {k: v for k, v in model.config.to_dict().items() if k not in skip}
-        tokenizer = self.processing_class
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        tokenizer_text = [backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
-                          getattr(tokenizer, "chat_template", None)] if tokenizer is not None else []
-        if callable(getattr(self.train_dataset, "fingerprint", None)):
-            data = self.train_dataset.fingerprint()
-        else:
-            section = (self.provenance or {}).get("data") or {}
-            data = {k: v for k, v in section.items() if k.endswith("_sha256") and isinstance(v, str)}
-        return json.loads(json.dumps({"model_config": config, "tokenizer_sha256": sha256_records(tokenizer_text),
-                                      "data": data}, default=str))
-
-    def check_checkpoint(self, checkpoint: str | os.PathLike) -> None:
-        """Load the run totals of `checkpoint` and refuse it when it belongs to another run.
-
-        Raises:
-            ValueError: the model config, tokenizer or data differ from the checkpoint's (each difference named).
-        """
-        path = Path(checkpoint) / RUN_STATE
-        if not path.is_file():
-            logger.warning("%s has no %s (written before hfl3 checked resumes): not checked", checkpoint, RUN_STATE)
-            return
-        saved = json.loads(path.read_text())
-        differences = _differences(saved["fingerprint"], self.run_fingerprint())
-        if differences:
-            raise ValueError(f"{checkpoint} belongs to another run; it differs in " + "; ".join(differences[:8]) +
-                             ". Resume with the model, tokenizer and data it was trained with, or start a new "
-                             "--output_dir")
-        self.run_totals = saved["totals"]
-
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """`Trainer.train`, resuming from `latest`/`True` = the newest complete checkpoint (`latest_checkpoint`),
-        after `check_checkpoint`; the resolved folder (or None) is `self.resume_checkpoint` while it runs. After a
-        resume, `train_loss` and the throughput cover the whole run (`log`)."""
-        checkpoint = resolve_checkpoint(self.args.output_dir, resume_from_checkpoint)
-        self.run_totals = dict(_NO_TOTALS)
-        if checkpoint:
-            self.check_checkpoint(checkpoint)
-        self.resume_checkpoint = checkpoint
-        self._stale_checkpoints = [] if checkpoint else [
-            p for p in Path(self.args.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*") if _CHECKPOINT.match(p.name)]
-        self._train_started = time.time()
-        self._run_loss = _LossTally()
-        output = super().train(checkpoint or None, *args, **kwargs)
-        return output._replace(training_loss=output.metrics["train_loss"]) if self.run_totals["global_step"] else output
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._run_loss.add(loss, self.state.global_step)
-        return loss
-
-    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
-        """The Trainer's batches for the next optimizer step; none once `max_steps` is reached. transformers 5.23,
-        resuming a finished run whose dataset has no length (a stream: the epochs are then unbounded), would train
-        one step past `max_steps`; with no batch its loop stops before a step."""
-        if 0 < self.state.max_steps <= self.state.global_step:
-            logger.info("step %d of max_steps %d: nothing left to train", self.state.global_step, self.state.max_steps)
-            self.control.should_training_stop = True
-            return [], None
-        return super().get_batch_samples(epoch_iterator, num_batches, device)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """`Trainer.log`, keeping the run's loss sum (a training log's `loss` is the mean over the steps since the
-        last one) and, after a resume, turning the end-of-training `train_loss` and throughput (transformers reports
-        the steps of this `train()` call) into whole-run figures, with the checkpoint's `run_totals`."""
-        if "loss" in logs:
-            self._run_loss.logged(logs["loss"], self.state.global_step)
-        if "train_loss" in logs and self.run_totals["global_step"]:
-            steps, resumed = self.state.global_step, self.run_totals["global_step"]
-            logs["train_loss"] = (self.run_totals["train_loss_sum"] + logs["train_loss"] * (steps - resumed)) / steps
-            runtime = logs["train_runtime"] + self.run_totals["train_runtime"]
-            logs.update(speed_metrics("train", time.time() - runtime, num_steps=steps,
-                                      num_samples=self.get_total_train_batch_size(self.args) * steps))
-        super().log(logs, start_time)
-
-    # ---- checkpoints ----
-
-    def _save_checkpoint(self, model, trial):
-        """The Trainer's checkpoint, written into the staging folder (`args.output_dir` points there meanwhile) and
-        renamed to `checkpoint-N` when complete (every process has written its files, `save_resume_state`
-        included); then the old checkpoints rotate as usual."""
-        run_dir = Path(self.args.output_dir)
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        staging = run_dir / STAGING / "checkpoints"
-        staged, final = staging / name, run_dir / name
-        if self.args.should_save and staged.exists():
-            shutil.rmtree(staged)
-        self.accelerator.wait_for_everyone()
-        with self._output_dir(staging):
-            super()._save_checkpoint(model, trial)
-        staged_best = self.state.best_model_checkpoint and Path(self.state.best_model_checkpoint) == staged
-        if staged_best:  # on every process: under DeepSpeed all of them load the best checkpoint at the end
-            self.state.best_model_checkpoint = str(final)
-        if self.args.should_save and staged_best:
-            self.state.save_to_json(str(staged / "trainer_state.json"))
-        self.save_resume_state(staged)
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            if final.exists():
-                shutil.rmtree(final)
-            staged.rename(final)
-            for entry in staging.iterdir():  # what the Trainer wrote beside the checkpoint (TRL's card) goes on
-                if not _CHECKPOINT.match(entry.name):
-                    entry.replace(run_dir / entry.name)
-            for empty in (staging, staging.parent):  # leave no staging folder behind once nothing is staged
-                with contextlib.suppress(OSError):
-                    empty.rmdir()
-            for stale in self._stale_checkpoints:  # --overwrite_output_dir: the old run's, once this one has one
-                if stale != final:
-                    shutil.rmtree(stale, ignore_errors=True)
-            self._stale_checkpoints = []
-            rotate_checkpoints(str(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint,
-                               use_mtime=False)
-
-    def save_resume_state(self, folder: Path) -> None:
-        """What a resume needs beyond the Trainer's own checkpoint, written on every process into the staged
-        checkpoint `folder` before the rename that completes it: `hfl3_run.json` (the run's fingerprint, and its loss
-        sum, seconds and steps so far). Subclasses add their own state (`L3GPTTrainer`: the data stream's)."""
-        undrained = self._run_loss.undrained(self.accelerator)  # a collective: every process is here
-        if self.args.should_save:
-            totals = {"train_loss_sum": self.run_totals["train_loss_sum"] + self._run_loss.logged_sum + undrained,
-                      "train_runtime": self.run_totals["train_runtime"] + time.time() - self._train_started,
-                      "global_step": self.state.global_step}
-            write_json_atomic(folder / RUN_STATE, {"fingerprint": self.run_fingerprint(), "totals": totals})
-
-    # ---- saved folders ----
-
-    @contextlib.contextmanager
-    def _output_dir(self, folder: str | os.PathLike) -> Iterator[None]:
-        """`args.output_dir` is `folder` inside the block: the Trainer writes a checkpoint or the final folder there."""
-        previous, self.args.output_dir = self.args.output_dir, str(folder)
-        try:
-            yield
-        finally:
-            self.args.output_dir = previous
-
-    def model_card(self, metadata: Mapping[str, Any]) -> dict:
-        """Keyword arguments of `write_model_card` besides the folder and metadata; subclasses describe their model."""
-        return {"title": Path(self.final_output_dir).name, "tags": ("hfl3",)}
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """`Trainer.save_model` (every checkpoint and the final folder), then, on the saving process: the pickled
-        `training_args.bin` removed (it would carry `hub_token`; `metadata.json` holds the arguments) and, when
-        `provenance` is set, the folder stamped (`stamp_folder`: `metadata.json`, the safetensors header, the card
-        of `model_card(provenance)`)."""
-        super().save_model(output_dir, _internal_call)
-        folder = Path(output_dir if output_dir is not None else self.args.output_dir)
-        if self.args.should_save:
-            (folder / "training_args.bin").unlink(missing_ok=True)
-            if self.provenance is not None:
-                stamp_folder(folder, self.provenance, self.model_card(self.provenance))
-
-    def create_model_card(self, *args, **kwargs):
-        """The Trainer's card when there is no `provenance`; else nothing here: the card travels with the saved
-        weights (`save_model`), and TRL calls this into `output_dir` before every checkpoint."""
-        if self.provenance is None:
-            return super().create_model_card(*args, **kwargs)
-        return None
-
-    @contextlib.contextmanager
-    def finish_output(self) -> Iterator[Path]:
-        """`with trainer.finish_output() as folder:` everything the block writes to `args.output_dir` (`save_model`,
-        `save_metrics`, `save_state`, extra files) goes to `_hfl3_staging/final` and replaces the output folder's
-        files only when the block completes (`commit_folder`); on an exception nothing is committed. Call on every
-        process (it synchronises them)."""
-        final = Path(self.final_output_dir)
-        staged = final / STAGING / "final"
-        if self.args.should_save:
-            shutil.rmtree(staged, ignore_errors=True)
-            staged.mkdir(parents=True)
-        self.accelerator.wait_for_everyone()
-        with self._output_dir(staged):
-            yield staged
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            commit_folder(staged, final)
-        self.accelerator.wait_for_everyone()
-
-    def save_metrics(self, split, metrics, combined=True):
-        """`Trainer.save_metrics` with the values made `portable` (a `best_model_checkpoint` is a local path)."""
-        super().save_metrics(split, portable(metrics), combined)
-
-    def save_state(self):
-        """`Trainer.save_state`, then the written `trainer_state.json` made `portable` (its `best_model_checkpoint`
-        is a local path; a checkpoint's own copy keeps it, for resuming)."""
-        super().save_state()
-        path = Path(self.args.output_dir) / "trainer_state.json"
-        if self.args.should_save and path.is_file():
-            write_json_atomic(path, portable(json.loads(path.read_text())))
-
-    def hub_files(self, folder: Path) -> dict[str, Any]:
-        """Files of `folder` whose pushed copy differs from the local one: `{name: JSON value}` (none here)."""
-        return {}
-
-    def push_output(self, folder: str | os.PathLike | None = None) -> str | None:
-        """Upload the committed output folder (or `folder` inside it, e.g. `merged`) to `hub_model_id` when
-        `--push_to_hub` was given (main process; huggingface_hub's `upload_folder`, checkpoints and staging left
-        out). Files that `hub_files` rewrites are uploaded from a copy in `_hfl3_staging/upload` (the other files
-        hard-linked there), which is removed afterwards. Returns the commit URL, or None when nothing was pushed."""
-        if not (self.push_at_end and self.is_world_process_zero()):
-            return None
-        source = Path(self.final_output_dir) / (folder or "")
-        replaced = self.hub_files(source)
-        upload = Path(self.final_output_dir) / STAGING / "upload"
-        if replaced:
-            shutil.rmtree(upload, ignore_errors=True)
-            shutil.copytree(source, upload, copy_function=_link_or_copy,
-                            ignore=shutil.ignore_patterns(f"{PREFIX_CHECKPOINT_DIR}-*", "merged", STAGING))
-            for name, value in replaced.items():
-                (upload / name).unlink()  # a hard link: writing through it would change the local file
-                write_json_atomic(upload / name, value)
-        try:
-            return push_folder_to_hub(upload if replaced else source, self.args.hub_model_id,
-                                      private=self.args.hub_private_repo, token=self.args.hub_token)
-        finally:
-            if replaced:
-                shutil.rmtree(upload, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    upload.parent.rmdir()
-
-
-class _LossTally:
-    """The training loss of one `train()` call as the Trainer reports it, kept without its private accumulators:
-    `logged_sum`, the sum of the per-step losses already logged (a log's `loss` times the steps it averages), and on
-    the device the micro-batch losses since the last log (no host sync per step)."""
-
-    def __init__(self):
-        self.logged_sum, self.since_log, self.last_logged_step = 0.0, None, None
-
-    def add(self, loss: torch.Tensor, step: int) -> None:
-        if self.since_log is None:
-            self.since_log, self.last_logged_step = torch.zeros((), device=loss.device), step
-        self.since_log += loss.detach()
-
-    def logged(self, mean_loss: float, step: int) -> None:
-        if self.since_log is not None:
-            self.logged_sum += mean_loss * (step - self.last_logged_step)
-            self.last_logged_step = step
-            self.since_log.zero_()
-
-    def undrained(self, accelerator) -> float:
-        """The not yet logged part, averaged over processes as the Trainer's next log will (a collective)."""
-        if self.since_log is None:
-            return 0.0
-        return accelerator.gather(self.since_log[None]).mean().item()
-
-
-def _link_or_copy(source: str, target: str) -> None:
-    try:
-        os.link(source, target)  # the weights are not copied
-    except OSError:
-        shutil.copy2(source, target)
-
-
-class L3GPTOutputs(OutputFolderMixin):
-    """`OutputFolderMixin` with the pretrained L3GPT's model card."""
-
-    def model_card(self, metadata: Mapping[str, Any]) -> dict:
-        return l3gpt_model_card(metadata, usage_name(self))
-
-
-class SFTOutputs(OutputFolderMixin):
-    """`OutputFolderMixin` for LoRA adapters: the adapter card, and `adapter_config.json`'s
-    `base_model_name_or_path`: locally the base's absolute path when it is a local folder (`local_base_model`), in the
-    copy pushed to the Hub the base's Hub id (`hub_files`). The Hub id comes from `provenance["base_model"]["hub_id"]`
-    (the recipe's `--base_model_hub_id`, or `base_model_hub_id`)."""
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call)
-        config = Path(output_dir if output_dir is not None else self.args.output_dir) / "adapter_config.json"
-        if self.args.should_save and config.is_file():
-            values = json.loads(config.read_text())
-            if values.get("base_model_name_or_path"):
-                values["base_model_name_or_path"] = local_base_model(values["base_model_name_or_path"])
-                write_json_atomic(config, values)
-
-    def base_hub_id(self, local_name: str | None = None) -> str | None:
-        """The base model's Hub id: `provenance["base_model"]["hub_id"]`, else `base_model_hub_id(local_name)`."""
-        known = ((self.provenance or {}).get("base_model") or {}).get("hub_id")
-        return known or (base_model_hub_id(local_name) if local_name else None)
-
-    def hub_files(self, folder: Path) -> dict[str, Any]:
-        """The pushed `adapter_config.json` names the base's Hub id, never a local path.
-
-        Raises:
-            ValueError: the base is a local folder with no known Hub id (the recipe refuses this before training).
-        """
-        config = folder / "adapter_config.json"
-        if not config.is_file():
-            return {}
-        values = json.loads(config.read_text())
-        hub_id = self.base_hub_id(values.get("base_model_name_or_path"))
-        if hub_id is None:
-            raise ValueError(f"not pushed: the base model {portable(values.get('base_model_name_or_path'))} is a "
-                             "local folder with no Hub id; pass --base_model_hub_id USER/NAME")
-        return {"adapter_config.json": {**values, "base_model_name_or_path": hub_id}}
-
-    def model_card(self, metadata: Mapping[str, Any]) -> dict:
-        return sft_model_card(metadata, usage_name(self), adapter=True)

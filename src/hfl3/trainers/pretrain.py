@@ -20,7 +20,8 @@ from hfl3.optim.settings import GroupLearningRates
 from hfl3.trainers.compute_optimal import derive_gradient_accumulation_steps
 from hfl3.evaluate.callback import check_core_arguments
 from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
-from hfl3.trainers.outputs import L3GPTOutputs
+from hfl3.trainers.launch import set_up_cpu_process_group
+from hfl3.trainers.output_mixins import L3GPTOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class PretrainConfig(GroupLearningRates, TrainingArguments):
     def __post_init__(self):
         check_training_arguments(self)  # a zero/negative learning rate or max_steps 0 trains nothing
         check_core_arguments(self)
+        set_up_cpu_process_group(self)  # --ddp_timeout acts with --use_cpu too
         if self.fp8 not in (None, "tensorwise", "rowwise"):
             raise ValueError(f"fp8={self.fp8!r}; expected tensorwise, rowwise or unset")
         if not 0 <= self.warmdown_ratio <= 1:
@@ -262,8 +264,8 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
     dispatch its batches, or give every rank the whole stream); each consumed batch updates `data_progress` (worker
     states, chained sha256 of the rows), which every checkpoint saves (`data_state_rank{R}.safetensors`) and
     `train(resume_from_checkpoint=...)` restores, so a resumed run consumes exactly the rows an uninterrupted run
-    would have. Output folders and checkpoints as `hfl3.trainers.outputs.L3GPTOutputs` makes them (staged, renamed
-    when complete, resume from `latest`, provenance on every save).
+    would have. Output folders and checkpoints as `hfl3.trainers.output_mixins.L3GPTOutputs` makes them (staged,
+    renamed when complete with every rank's state, resume from `latest`, provenance on every save).
 
     Private Trainer hook: `_track_num_input_tokens` (see its docstring; signature pinned by
     `tests/test_trainer_hooks.py`); the rest are public (`get_train_dataloader`, `get_batch_samples`,

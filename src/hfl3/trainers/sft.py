@@ -1,6 +1,6 @@
 """LoRA SFT on chat data: `SFTLoRAConfig(SFTConfig)`, `HFL3SFTTrainer(SFTTrainer)` and `save_merged_model`; the
-output folder (staging, provenance, card, push) is `hfl3.trainers.outputs`'. `recipes/sft_lora.py` loads the model
-and data and runs them."""
+output folder (staging, provenance, card, push) is `hfl3.trainers.output_mixins`'. `recipes/sft_lora.py` loads the
+model and data and runs them."""
 
 import logging
 import math
@@ -17,7 +17,8 @@ import hfl3  # noqa: F401  (registers L3GPT with the Auto classes)
 from hfl3.provenance import stamp_folder
 from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
 from hfl3.trainers.cards import sft_model_card, usage_name
-from hfl3.trainers.outputs import SFTOutputs
+from hfl3.trainers.launch import set_up_cpu_process_group
+from hfl3.trainers.output_mixins import SFTOutputs
 from hfl3.trainers.supervised_nll import LOGIT_SCALE_FIELDS, add_supervised_nll
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class SFTLoRAConfig(SFTConfig):
 
     def __post_init__(self):
         check_training_arguments(self)  # a zero/negative learning rate or max_steps 0 trains nothing
+        set_up_cpu_process_group(self)  # --ddp_timeout acts with --use_cpu too
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         self.evaluate_by_default = self.eval_strategy is None and not self.load_best_model_at_end
@@ -114,7 +116,7 @@ class HFL3SFTTrainer(NonFiniteGuard, SFTOutputs, SFTTrainer):  # NonFiniteGuard 
       `num_tokens`, the non-padding training tokens so far), kept by hfl3 and added in `log`;
     - `eval_loss` is the token-weighted mean NLL over all supervised tokens of the evaluation set (HF averages the
       per-batch means), and `eval_perplexity = exp(eval_loss)` is added (same for any `metric_key_prefix`);
-    - output folders and checkpoints as `hfl3.trainers.outputs.SFTOutputs` makes them: staged and renamed when
+    - output folders and checkpoints as `hfl3.trainers.output_mixins.SFTOutputs` makes them: staged and renamed when
       complete, resumable from `latest`, no `training_args.bin`, and with `provenance` (a `build_metadata` dict)
       `metadata.json`, the `.safetensors` headers and the model card on every save.
 
