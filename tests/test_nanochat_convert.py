@@ -1,4 +1,4 @@
-"""nanochat checkpoints → L3GPT folders (models/l3gpt/convert_nanochat_to_hf.py) and back (convert_hf_to_nanochat.py).
+"""nanochat checkpoints → L3GPT folders (nanochat/convert_nanochat_to_hf.py) and back (convert_hf_to_nanochat.py).
 
 Checkpoints in nanochat's exact file format are built from the float64 reference of tests/nanochat_reference.py for
 nanochat master (92d63d4) and its L3 fork (PR #559, b7629ef); the converted folders' logits are compared with the
@@ -19,9 +19,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
-from hfl3.models.l3gpt import convert_hf_to_nanochat, convert_nanochat_to_hf
-from hfl3.models.l3gpt.convert_nanochat_to_hf import convert
-from hfl3.models.l3gpt.convert_nanochat_tokenizer import load_nanochat_encoding
+from hfl3.nanochat import convert_hf_to_nanochat, convert_nanochat_to_hf
+from hfl3.nanochat.convert_nanochat_to_hf import convert
+from hfl3.nanochat.convert_nanochat_tokenizer import load_nanochat_encoding
 from hfl3.provenance import sha256_file
 from hfl3.trainers.sft import SFTLoRAConfig
 

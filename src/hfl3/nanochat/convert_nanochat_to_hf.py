@@ -2,7 +2,7 @@
 load (remote code included), with the same logits on the same ids.
 
 ```bash
-python -m hfl3.models.l3gpt.convert_nanochat_to_hf \\
+python -m hfl3.nanochat.convert_nanochat_to_hf \\
     --checkpoint_dir ~/.cache/nanochat/chatsft_checkpoints/d20 --tokenizer_dir ~/.cache/nanochat/tokenizer \\
     --output_dir nanochat-d20-hf
 ```
@@ -43,7 +43,7 @@ Output (written under a temporary name, renamed when complete): `model.safetenso
 as nanochat's Engine), and provenance (`metadata.json`, safetensors header, README.md) naming the source files
 by name with their sha256 (no local path). `--push_to_hub --hub_model_id USER/NAME` uploads that folder.
 
-Not part of the remote code: nothing the modeling files import, so `save_pretrained` never copies it; it imports
+Not part of the remote code: it lives beside the model's folder (`hfl3/models/l3gpt/`), not in it, and imports
 hfl3's provenance writers as transformers' own conversion scripts import transformers.
 """
 
@@ -65,14 +65,14 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
+from hfl3.models.l3gpt.allocation import bounds_from_counts
+from hfl3.models.l3gpt.configuration_l3gpt import L3GPTConfig
+from hfl3.models.l3gpt.modeling_l3gpt import VALUE_EMBEDDING_GATE_RANGE, L3GPTForCausalLM
 from hfl3.provenance import build_metadata, push_folder_to_hub, sha256_file, stamp_folder
 
-from .allocation import bounds_from_counts
-from .configuration_l3gpt import L3GPTConfig
 from .convert_nanochat_tokenizer import (
     BOS_TOKEN, END_OF_TURN, PICKLE_NAME, load_nanochat_encoding, tokenizer_from_encoding,
 )  # fmt: skip
-from .modeling_l3gpt import VALUE_EMBEDDING_GATE_RANGE, L3GPTForCausalLM
 
 PAD_VOCAB_TO = 64  # nanochat GPT(pad_vocab_size_to=64)
 NANOCHAT_RMS_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm(eps=None) in float32 or bf16 compute
