@@ -8,6 +8,8 @@ order of float64 operations (SDPA vs einsum, as in test_nanochat_core.py): 1e-10
 """
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -90,6 +92,8 @@ def test_l3_fork_checkpoint_converts_to_equal_logits(tmp_path, tokenizer_dir, sp
 
 REMOTE_SCRIPT = """
 import json
+import subprocess
+import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -267,3 +271,11 @@ def test_export_of_an_hfl3_model_and_refusals(tmp_path, tokenizer_dir):
         with pytest.raises(ValueError, match=message):
             convert_hf_to_nanochat.export(other, tmp_path / "refused", "base")
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("module", ["hfl3.nanochat.convert_nanochat_to_hf", "hfl3.nanochat.convert_hf_to_nanochat"])
+def test_command_names_its_module(module):
+    # run as `python -m`, the module's `__name__` is "__main__": usage, model card and metadata name the module
+    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"usage: python -m {module} "), result.stdout[:200]

@@ -189,7 +189,7 @@ def export(model_dir: str | os.PathLike, nanochat_base_dir: str | os.PathLike, s
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model_dir", required=True, help="L3GPT folder (e.g. from convert_nanochat_to_hf)")
     parser.add_argument("--nanochat_base_dir", required=True, help="nanochat's NANOCHAT_BASE_DIR to write into")
     parser.add_argument("--source", required=True, choices=sorted(SOURCES), help="nanochat checkpoint family")

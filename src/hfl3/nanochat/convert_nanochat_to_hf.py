@@ -391,7 +391,7 @@ def convert(checkpoint_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike,
             "model_config": meta["model_config"], "val_bpb": meta.get("val_bpb"),
             "user_config": meta.get("user_config"),
         },
-        conversion={"converter": __name__, "dtype": dtype},
+        conversion={"converter": __spec__.name, "dtype": dtype},
     )  # fmt: skip
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp"))
@@ -414,8 +414,8 @@ def convert(checkpoint_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike,
 def model_card(name: str, version: NanochatVersion, meta: dict) -> dict:
     """`write_model_card` arguments of a converted folder: what it came from and how to load it."""
     bpb = meta.get("val_bpb")
-    text = (f"A nanochat model ({version.source}) converted to L3GPT by hfl3's `python -m {__name__}`: same logits "
-            "on the same token ids, same tokenizer ids, nanochat's chat format as the chat template."
+    text = (f"A nanochat model ({version.source}) converted to L3GPT by hfl3's `python -m {__spec__.name}`: same "
+            "logits on the same token ids, same tokenizer ids, nanochat's chat format as the chat template."
             + (f" nanochat's validation bpb at step {meta.get('step')}: {bpb:.4f}." if isinstance(bpb, float) else "")
             + "\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
             f"model = AutoModelForCausalLM.from_pretrained({name!r}, trust_remote_code=True)  # or import hfl3\n"
@@ -424,7 +424,7 @@ def model_card(name: str, version: NanochatVersion, meta: dict) -> dict:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint_dir", required=True,
                         help="nanochat folder with model_<step>.pt + meta_<step>.json")
     parser.add_argument("--step", type=int, default=None, help="step to convert (default: the largest present)")
