@@ -212,6 +212,10 @@ class L3GPTDecoderLayer(GradientCheckpointingLayer):
 
 
 class L3GPTPreTrainedModel(TokenTablesResizeMixin, L3OffloadMixin, PreTrainedModel):
+    """Capability flags, nanochat's init and the remote-code `auto_map`; `resize_token_embeddings` over every table
+    indexed by token id comes from `lookup.TokenTablesResizeMixin`, `offload_l3_tables` and `from_pretrained(...,
+    l3_offload=...)` from `offload.L3OffloadMixin`."""
+
     config_class = L3GPTConfig
     config: L3GPTConfig
     base_model_prefix = "model"
@@ -261,7 +265,6 @@ class L3GPTPreTrainedModel(TokenTablesResizeMixin, L3OffloadMixin, PreTrainedMod
             auto_map = getattr(self.config, "auto_map", None) or {}
             self.config.auto_map = {**auto_map, "AutoModel": f"{L3GPTModel.__module__.rsplit('.', 1)[-1]}.L3GPTModel"}
         return super().save_pretrained(save_directory, *args, **kwargs)
-
 
 
 class L3GPTModel(L3TablesMixin, L3GPTPreTrainedModel):
