@@ -1,6 +1,6 @@
 """FLOPs of the L3 lookups themselves, for the benchmarks that match or report compute (`l3_vs_dense.py` widens its
 dense arm to the L3 model's FLOPs; `vs_nanochat.py` reports the L3 arm's MFU). Not part of hfl3: the recipe's MFU
-counts matmuls and attention only (`hfl3.callbacks.flops_per_token`, nanochat's `estimate_flops`)."""
+counts matmuls and attention only (`configuration_l3gpt.flops_per_token`, nanochat's `estimate_flops`)."""
 
 
 def l3_lookup_flops_per_token(config, routed_mean_rows: float) -> float:

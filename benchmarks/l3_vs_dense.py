@@ -19,7 +19,7 @@ far (wall-clock and process CPU time, evaluation excluded). The LR schedule defa
 every point of a curve is an "anytime" result and interpolating a curve at a common FLOPs or time budget does not
 catch one arm mid-warmdown.
 
-FLOPs per token, what is counted: `hfl3.callbacks.flops_per_token` (6 × matmul parameters incl. the L3 up/mix
+FLOPs per token, what is counted: `configuration_l3gpt.flops_per_token` (6 × matmul parameters incl. the L3 up/mix
 projections + 12·L·H·Q·T attention; embeddings and L3 tables excluded as lookups) plus, for each L3 layer, the
 lookup's own multiply-adds: scores `K_t x` (2·d_t·C) and the weighted sum `V_tᵀ p` (2·d_t·C) forward, ×3 for
 forward + backward, i.e. `12·d̄·C`, with d̄ the mean number of rows routed per training token under the allocation
@@ -52,7 +52,7 @@ import torch
 from transformers import HfArgumentParser, TrainerCallback, set_seed
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.callbacks import flops_per_token
+from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
 from l3_flops import l3_lookup_flops_per_token
 import text_corpus as text
 from hfl3.models.l3gpt import lzw_allocation

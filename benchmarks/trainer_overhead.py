@@ -37,7 +37,8 @@ from torch.utils.data import DataLoader
 from transformers import HfArgumentParser, TrainerCallback, get_scheduler, set_seed
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.callbacks import LossPlotCallback, ThroughputCallback, flops_per_token
+from hfl3.callbacks import LossPlotCallback, ThroughputCallback
+from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
 import text_corpus as text
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.atomic import write_json_atomic

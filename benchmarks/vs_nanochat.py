@@ -26,7 +26,7 @@ Timing: steps `warmup_steps + 1 … warmup_steps + steps` as one window, CUDA sy
 happens in the warm-up). tok/s = window tokens / window seconds. `first_step_seconds` (start of training to the end
 of step 1) is where compilation happens: minus one window step, it is the compile time. MFU = tok/s × FLOPs/token /
 peak bf16 FLOP/s (`hfl3.callbacks.PEAK_BF16_FLOPS`; H100 SXM 989e12, also for the FP8 arms); FLOPs/token from
-`hfl3.callbacks.flops_per_token` for hfl3 (plus the L3 lookups) and from nanochat's own `estimate_flops()` for
+`configuration_l3gpt.flops_per_token` for hfl3 (plus the L3 lookups) and from nanochat's own `estimate_flops()` for
 nanochat (both 6 × matmul params + 12·L·H·Q·T, PaLM appendix B). Peak memory: `torch.cuda.max_memory_allocated()`
 over the whole arm (build, warm-up and window).
 
@@ -223,7 +223,8 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
     import datasets
 
     from hfl3 import L3GPTConfig, L3GPTForCausalLM, fp8
-    from hfl3.callbacks import LossPlotCallback, ThroughputCallback, flops_per_token
+    from hfl3.callbacks import LossPlotCallback, ThroughputCallback
+    from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
     from l3_flops import l3_lookup_flops_per_token
     from hfl3.models.l3gpt import lzw_allocation
     from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES

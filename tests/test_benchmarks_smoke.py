@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from hfl3 import L3GPTConfig
-from hfl3.callbacks import flops_per_token
+from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
 from hfl3.tokenization import train_tokenizer
 
 

@@ -1,4 +1,4 @@
-"""nanochat checkpoints → L3GPT folders (models/l3gpt/convert_nanochat_to_hf.py) and back (convert_hf_to_nanochat.py).
+"""nanochat checkpoints → L3GPT folders (nanochat/convert_nanochat_to_hf.py) and back (convert_hf_to_nanochat.py).
 
 Checkpoints in nanochat's exact file format are built from the float64 reference of tests/nanochat_reference.py for
 nanochat master (92d63d4) and its L3 fork (PR #559, b7629ef); the converted folders' logits are compared with the
@@ -8,6 +8,8 @@ order of float64 operations (SDPA vs einsum, as in test_nanochat_core.py): 1e-10
 """
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,9 +21,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
-from hfl3.models.l3gpt import convert_hf_to_nanochat, convert_nanochat_to_hf
-from hfl3.models.l3gpt.convert_nanochat_to_hf import convert
-from hfl3.models.l3gpt.convert_nanochat_tokenizer import load_nanochat_encoding
+from hfl3.nanochat import convert_hf_to_nanochat, convert_nanochat_to_hf
+from hfl3.nanochat.convert_nanochat_to_hf import convert
+from hfl3.nanochat.convert_nanochat_tokenizer import load_nanochat_encoding
 from hfl3.provenance import sha256_file
 from hfl3.trainers.sft import SFTLoRAConfig
 
@@ -90,6 +92,8 @@ def test_l3_fork_checkpoint_converts_to_equal_logits(tmp_path, tokenizer_dir, sp
 
 REMOTE_SCRIPT = """
 import json
+import subprocess
+import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -267,3 +271,11 @@ def test_export_of_an_hfl3_model_and_refusals(tmp_path, tokenizer_dir):
         with pytest.raises(ValueError, match=message):
             convert_hf_to_nanochat.export(other, tmp_path / "refused", "base")
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("module", ["hfl3.nanochat.convert_nanochat_to_hf", "hfl3.nanochat.convert_hf_to_nanochat"])
+def test_command_names_its_module(module):
+    # run as `python -m`, the module's `__name__` is "__main__": usage, model card and metadata name the module
+    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"usage: python -m {module} "), result.stdout[:200]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.callbacks import flops_per_token
+from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
 
 VOCAB, WIDTH, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 64, 64, 4, 2, 16, 3
 SHORT_WINDOW = 5  # nanochat's W of the S layers (its formula gives 128 at this context: no window at all)

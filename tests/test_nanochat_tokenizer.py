@@ -1,4 +1,4 @@
-"""nanochat's tokenizer.pkl → a transformers tokenizer (models/l3gpt/convert_nanochat_tokenizer.py) and back: same ids
+"""nanochat's tokenizer.pkl → a transformers tokenizer (nanochat/convert_nanochat_tokenizer.py) and back: same ids
 as tiktoken's procedure on real text, nanochat's chat format and masks, no code run while unpickling."""
 
 import pickle
@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from hfl3.data.chat import read_chat_jsonl
 from hfl3.data.masks import AssistantMasker
-from hfl3.models.l3gpt.convert_nanochat_tokenizer import (
+from hfl3.nanochat.convert_nanochat_tokenizer import (
     NanochatEncoding, bpe_merges, encoding_from_tokenizer, encoding_pickle_bytes, load_nanochat_encoding,
     tokenizer_from_encoding,
 )  # fmt: skip

@@ -1,5 +1,6 @@
-"""Trainer callbacks shared by the recipes: loss plot, throughput and MFU (with the FLOPs estimates), samples; and
-`BeforeLogSaveEvaluate`, the point where hfl3's trainers run their own checks."""
+"""Trainer callbacks shared by the recipes: loss plot, throughput and MFU (of the FLOPs per token that
+`configuration_l3gpt.flops_per_token` counts), samples; and `BeforeLogSaveEvaluate`, the point where hfl3's trainers
+run their own checks."""
 
 from __future__ import annotations
 
@@ -103,24 +104,6 @@ def peak_flops_per_second() -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-def flops_per_token(config, seq_len: int) -> float:
-    """Training FLOPs per token of an L3GPT: 6 × matmul parameters + 12·L·H·Q·T_attended (nanochat gpt.py
-    `estimate_flops`, after the PaLM paper appendix B). Matmul parameters, as nanochat counts them (every weight of a
-    `Linear`): attention and MLP projections, the value-embedding and smear gates, L3 up/mix projections and lm_head;
-    token embeddings, value embeddings and the L3 tables are lookups and excluded, and so is elementwise work (the
-    gated sums). T_attended is `min(sliding_window, seq_len)` on sliding layers."""
-    width, heads, kv_heads, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    per_layer = width * head_dim * (2 * heads + 2 * kv_heads) + 2 * width * config.intermediate_size
-    l3 = len(config.l3_after_layers) * (width * config.l3_d_up + (config.l3_d_up + width) * width)
-    gates = len(config.value_embedding_layers) * config.value_embedding_gate_channels * kv_heads
-    gates += config.smear_gate_channels if config.use_smear_gate else 0
-    matmul = config.num_hidden_layers * per_layer + l3 + gates + width * config.vocab_size
-    attended = sum(
-        min(config.sliding_window, seq_len) if kind == "sliding_attention" else seq_len for kind in config.layer_types
-    )
-    return 6 * matmul + 12 * heads * head_dim * attended
 
 
 class ThroughputCallback(TrainerCallback):

@@ -182,7 +182,7 @@ def hfl3_model(out: Path, kind: str, tokenizer) -> Path:
 
 
 def nanochat_model(out: Path) -> None:
-    from hfl3.models.l3gpt.convert_nanochat_to_hf import convert
+    from hfl3.nanochat.convert_nanochat_to_hf import convert
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = Spec("master", vocab=500, sequence_len=256, n_head=2, n_kv_head=1)  # head_dim 32

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hfl3.callbacks import flops_per_token
+from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
 
 REFERENCE_DEPTH = 12  # nanochat tuned its hyperparameters and B_ref on d12
 REFERENCE_TOTAL_BATCH_SIZE = 2**19  # B_ref, tokens (nanochat dev/LOG.md 2026-02-05, measured at d12)
@@ -114,7 +114,7 @@ class ComputeOptimalPlan:
     Attributes:
         vocab_size: the model's (padded) vocabulary.
         parameter_counts: `parameter_counts` of the model; `reference_scaling_parameters`: N_ref.
-        flops_per_token: training FLOPs per token (forward + backward), `hfl3.callbacks.flops_per_token`.
+        flops_per_token: training FLOPs per token (forward + backward), `configuration_l3gpt.flops_per_token`.
         target_param_data_ratio: r; `target_tokens`: D = int(r · N); `reference_tokens`: D_ref = r · N_ref.
         total_batch_size: B, tokens per optimizer step; `batch_size_rule`: `"auto"`, `"given"` (`--total_batch_size
             N`) or `"trainer"` (per-device batch × max_length × world size × `gradient_accumulation_steps` as set).

@@ -306,4 +306,23 @@ def layer_types_from_pattern(pattern: str, num_hidden_layers: int) -> list[str]:
     return [WINDOW_LETTERS[letter] for letter in letters]
 
 
-__all__ = ["L3GPTConfig"]
+def flops_per_token(config: L3GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token of an L3GPT: 6 × matmul parameters + 12·L·H·Q·T_attended (nanochat gpt.py
+    `estimate_flops`, after the PaLM paper appendix B). Matmul parameters, as nanochat counts them (every weight of a
+    `Linear`): attention and MLP projections, the value-embedding and smear gates, L3 up/mix projections and lm_head;
+    token embeddings, value embeddings and the L3 tables are lookups and excluded, and so is elementwise work (the
+    gated sums). T_attended is `min(sliding_window, seq_len)` on sliding layers."""
+    width, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.head_dim
+    per_layer = width * head_dim * (2 * heads + 2 * kv_heads) + 2 * width * config.intermediate_size
+    l3 = len(config.l3_after_layers) * (width * config.l3_d_up + (config.l3_d_up + width) * width)
+    gates = len(config.value_embedding_layers) * config.value_embedding_gate_channels * kv_heads
+    gates += config.smear_gate_channels if config.use_smear_gate else 0
+    matmul = config.num_hidden_layers * per_layer + l3 + gates + width * config.vocab_size
+    attended = sum(
+        min(config.sliding_window, seq_len) if kind == "sliding_attention" else seq_len for kind in config.layer_types
+    )
+    return 6 * matmul + 12 * heads * head_dim * attended
+
+
+__all__ = ["L3GPTConfig", "flops_per_token"]

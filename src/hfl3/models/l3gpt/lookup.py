@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .allocation import bounds_from_counts, uniform_allocation
 from .configuration_l3gpt import L3GPTConfig
-from .layers import L3GPTRMSNorm, uniform_bound, with_init
-from .offload import HostTable, L3Prefetch, fetched_tables
+from .layers import L3GPTRMSNorm, initialize, uniform_bound, with_init
+from .offload import HostTable, L3Prefetch, fetched_tables, host_tables, prefetch_routed_rows
 
 NAMESPACE = "_".join(["l3gpt", *re.findall(r"[A-Za-z0-9]+", __name__)])
 
@@ -248,3 +249,109 @@ class LargeLookupLayer(GradientCheckpointingLayer):
         mixed_input = hidden_states.reshape(-1, hidden_states.size(-1)) if self.mix_residual else x  # (N, C)
         mixed = self.mix_proj(torch.cat([looked_up, mixed_input], dim=-1))  # (N, C)
         return hidden_states + mixed.view_as(hidden_states)
+
+
+class L3TablesMixin:
+    """`L3GPTModel`'s L3 allocation and its tables indexed by token id: the uniform allocation a model starts with,
+    `set_l3_allocation`, rows per token, the routing of a forward (and the prefetch of offloaded rows), and the
+    resizing that `resize_token_embeddings` asks for."""
+
+    def uniform_bounds(self) -> torch.LongTensor:
+        """CSR bounds `(vocab_size + 1,)` of the uniform allocation (all zeros-width when there is no L3 layer)."""
+        config = self.config
+        if not config.l3_after_layers:
+            return torch.zeros(config.vocab_size + 1, dtype=torch.long)
+        return bounds_from_counts(uniform_allocation(config.vocab_size, config.l3_n_emb, config.l3_k_max))
+
+    def set_l3_allocation(self, counts: torch.Tensor) -> None:
+        """Install per-token row counts `(vocab_size,)` (e.g. from `allocation.lzw_allocation`) for all L3 layers.
+
+        Raises:
+            ValueError: if the shape, the sum (`l3_n_emb`) or a count outside `[1, l3_k_max]` is wrong.
+        """
+        config = self.config
+        counts = torch.as_tensor(counts, dtype=torch.long)
+        if counts.shape != (config.vocab_size,):
+            raise ValueError(f"allocation has shape {tuple(counts.shape)}, expected ({config.vocab_size},)")
+        if int(counts.sum()) != config.l3_n_emb:
+            raise ValueError(f"allocation sums to {int(counts.sum())}, expected l3_n_emb={config.l3_n_emb}")
+        if int(counts.min()) < 1 or int(counts.max()) > config.l3_k_max:
+            raise ValueError(
+                f"allocation counts span [{int(counts.min())}, {int(counts.max())}], expected [1, {config.l3_k_max}]"
+            )
+        self.l3_bounds.copy_(bounds_from_counts(counts).to(self.l3_bounds.device))
+
+    @torch.no_grad()
+    def resize_token_tables(self, old_vocab_size: int, mean_resizing: bool = True) -> None:
+        """Resize the tables indexed by token id beside `embed_tokens` (value embeddings, L3 allocation and tables)
+        from `old_vocab_size` tokens to `config.vocab_size`; called by `resize_token_embeddings`, which has resized
+        `embed_tokens` and set the config. Updates `config.l3_n_emb` when there are L3 layers."""
+        vocab_size = self.config.vocab_size
+        for table in self.value_embeddings.values():
+            self.resized_table(table, vocab_size, mean_resizing)
+        counts = self.l3_counts()  # (old_vocab_size,)
+        if vocab_size < old_vocab_size:
+            counts = counts[:vocab_size]
+        else:  # without L3 layers every token owns zero rows
+            counts = torch.cat([counts, counts.new_full((vocab_size - old_vocab_size,), int(bool(self.l3_layers)))])
+        self.l3_bounds = bounds_from_counts(counts)
+        if not self.l3_layers:
+            return
+        self.config.l3_n_emb = int(self.l3_bounds[-1])
+        for layer in self.l3_layers.values():
+            for table in (layer.key_table, layer.value_table):
+                if table is not None:
+                    self.resized_table(table, self.config.l3_n_emb, mean_resizing)
+
+    def l3_counts(self) -> torch.LongTensor:
+        """Rows owned by each token, `(vocab_size,)`."""
+        return self.l3_bounds[1:] - self.l3_bounds[:-1]
+
+    def route_l3(self, input_ids: torch.LongTensor) -> L3Routing:
+        """`l3_routing` of `input_ids` for every L3 layer; with offloaded tables (`offload_l3_tables`) it also starts
+        fetching the routed rows to `input_ids`' device (on CUDA asynchronously, on a side stream)."""
+        routing, tables = l3_routing(input_ids, self.l3_bounds), host_tables(self.l3_layers)
+        if not tables:
+            return routing
+        return routing._replace(prefetch=prefetch_routed_rows(input_ids, self.l3_bounds, routing, tables))
+
+
+class TokenTablesResizeMixin:
+    """`L3GPTPreTrainedModel`'s `resize_token_embeddings`, extended to every table indexed by token id."""
+
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> nn.Embedding:
+        """transformers' `resize_token_embeddings` (input embedding, output head, `config.vocab_size`) extended to every
+        table indexed by token id: value-embedding tables get rows for the new tokens; the L3 allocation gives each
+        new token one row (the fewest any token owns: there is no frequency data for it), appended to the L3 tables,
+        and `config.l3_n_emb` follows (removed tokens give theirs back). Old tokens keep their rows and outputs. New
+        rows follow `mean_resizing` as transformers': the old rows' mean and covariance, or else the table's init.
+
+        Returns:
+            The input embedding (`nn.Embedding`), as transformers'.
+
+        Raises:
+            RuntimeError: if the L3 tables are offloaded (`offload_l3_tables`): resize before offloading.
+        """
+        base, old_vocab_size = self.base_model, self.config.vocab_size
+        if host_tables(base.l3_layers):
+            raise RuntimeError("resize_token_embeddings: the L3 tables are offloaded to CPU memory (offload_l3_tables"
+                               " / l3_offload); resize the model before offloading its tables")
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        if self.config.vocab_size != old_vocab_size:
+            if not mean_resizing:
+                for module in (self.get_input_embeddings(), self.get_output_embeddings()):
+                    if module is not None and module.weight.shape[0] > old_vocab_size:
+                        initialize(module.weight[old_vocab_size:], module.hfl3_init)
+            base.resize_token_tables(old_vocab_size, mean_resizing)
+        return embeddings
+
+    def resized_table(self, table: nn.Embedding, num_rows: int, mean_resizing: bool) -> None:
+        """Resize `table` in place to `num_rows` rows with transformers' `_get_resized_embeddings` (ZeRO-3 aware);
+        added rows as described in `resize_token_embeddings`."""
+        old_rows, requires_grad = table.num_embeddings, table.weight.requires_grad
+        self._get_resized_embeddings(table, num_rows, mean_resizing=mean_resizing)
+        table.weight.requires_grad_(requires_grad)
+        if not mean_resizing and num_rows > old_rows:
+            initialize(table.weight[old_rows:], table.hfl3_init)

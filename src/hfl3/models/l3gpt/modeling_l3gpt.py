@@ -2,9 +2,11 @@
 ("L³: Large Lookup Layers", Tseng & De Sa, arXiv 2601.21461).
 
 Self-contained (relative imports only) so that the folder can be shipped as Hub remote code. File order follows
-transformers' modeling files: attention → MLP → value embeddings and smear → decoder layer → PreTrainedModel → base
-model → causal LM. Beside it: the norm and nanochat's init tags in `layers.py`, the rotary embeddings and the eager
-attention in `attention_utils.py`, the L3 layer and its lookup ops in `lookup.py`, the loss in
+transformers' modeling files: constants → attention → MLP → value embeddings and smear → decoder layer →
+PreTrainedModel → base model → causal LM. Beside it: the norm and nanochat's init tags in `layers.py`, the rotary
+embeddings and the eager attention in `attention_utils.py`, the L3 layer, its lookup ops and the management of its
+tables (allocation, routing, resizing: `L3TablesMixin`, `TokenTablesResizeMixin`) in `lookup.py`, the tables'
+offloading (`L3OffloadMixin`: `offload_l3_tables`, `from_pretrained(l3_offload=...)`) in `offload.py`, the loss in
 `linear_cross_entropy.py`.
 """
 
@@ -24,19 +26,20 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
-from .allocation import bounds_from_counts, uniform_allocation
 from .attention_utils import L3GPTRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 from .configuration_l3gpt import L3GPTConfig
 from .layers import L3GPTRMSNorm, initialize, uniform_bound, with_init
 from .linear_cross_entropy import causal_lm_loss, register_zero3_owner
-from .lookup import L3Routing, LargeLookupLayer, l3_routing
-from .offload import host_tables, load_offloaded, offload_tables, prefetch_routed_rows
+from .lookup import L3TablesMixin, LargeLookupLayer, TokenTablesResizeMixin, l3_routing
+from .offload import L3OffloadMixin
 
 
 # nanochat 6ed7d1d: value-embedding gates are 3·sigmoid(·), in (0, 3), 1.5 at a zero gate input.
 VALUE_EMBEDDING_GATE_RANGE = 3.0
 # nanochat a825e63 (init fixed in 94b73ad): the backout scalar starts at 0.2.
 BACKOUT_LAMBDA_INIT = 0.2
+# Attention implementations that apply causality themselves when given no mask (`is_causal` / `causal=True`).
+CAUSAL_FLAG_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
 class L3GPTAttention(nn.Module):
@@ -187,10 +190,6 @@ class L3GPTSmear(nn.Module):
         return embeds + (gate * (position_ids > 0)[..., None]).to(embeds.dtype) * shifted
 
 
-# Attention implementations that apply causality themselves when given no mask (`is_causal` / `causal=True`).
-CAUSAL_FLAG_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
-
-
 class L3GPTDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm block: `h + attn(norm(h))`, then `h + mlp(norm(h))`."""
 
@@ -212,7 +211,11 @@ class L3GPTDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.mlp(self.norm(hidden_states))
 
 
-class L3GPTPreTrainedModel(PreTrainedModel):
+class L3GPTPreTrainedModel(TokenTablesResizeMixin, L3OffloadMixin, PreTrainedModel):
+    """Capability flags, nanochat's init and the remote-code `auto_map`; `resize_token_embeddings` over every table
+    indexed by token id comes from `lookup.TokenTablesResizeMixin`, `offload_l3_tables` and `from_pretrained(...,
+    l3_offload=...)` from `offload.L3OffloadMixin`."""
+
     config_class = L3GPTConfig
     config: L3GPTConfig
     base_model_prefix = "model"
@@ -254,43 +257,6 @@ class L3GPTPreTrainedModel(PreTrainedModel):
             init.copy_(module.inv_freq, inv_freq)
             init.copy_(module.original_inv_freq, inv_freq)
 
-    def resize_token_embeddings(
-        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
-    ) -> nn.Embedding:
-        """transformers' `resize_token_embeddings` (input embedding, output head, `config.vocab_size`) extended to every
-        table indexed by token id: value-embedding tables get rows for the new tokens; the L3 allocation gives each
-        new token one row (the fewest any token owns: there is no frequency data for it), appended to the L3 tables,
-        and `config.l3_n_emb` follows (removed tokens give theirs back). Old tokens keep their rows and outputs. New
-        rows follow `mean_resizing` as transformers': the old rows' mean and covariance, or else the table's init.
-
-        Returns:
-            The input embedding (`nn.Embedding`), as transformers'.
-
-        Raises:
-            RuntimeError: if the L3 tables are offloaded (`offload_l3_tables`): resize before offloading.
-        """
-        base, old_vocab_size = self.base_model, self.config.vocab_size
-        if host_tables(base.l3_layers):
-            raise RuntimeError("resize_token_embeddings: the L3 tables are offloaded to CPU memory (offload_l3_tables"
-                               " / l3_offload); resize the model before offloading its tables")
-        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
-        if self.config.vocab_size != old_vocab_size:
-            if not mean_resizing:
-                for module in (self.get_input_embeddings(), self.get_output_embeddings()):
-                    if module is not None and module.weight.shape[0] > old_vocab_size:
-                        initialize(module.weight[old_vocab_size:], module.hfl3_init)
-            base.resize_token_tables(old_vocab_size, mean_resizing)
-        return embeddings
-
-    def resized_table(self, table: nn.Embedding, num_rows: int, mean_resizing: bool) -> None:
-        """Resize `table` in place to `num_rows` rows with transformers' `_get_resized_embeddings` (ZeRO-3 aware);
-        added rows as described in `resize_token_embeddings`."""
-        old_rows, requires_grad = table.num_embeddings, table.weight.requires_grad
-        self._get_resized_embeddings(table, num_rows, mean_resizing=mean_resizing)
-        table.weight.requires_grad_(requires_grad)
-        if not mean_resizing and num_rows > old_rows:
-            initialize(table.weight[old_rows:], table.hfl3_init)
-
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs):
         """transformers' `save_pretrained`; a folder saved with remote code also names `L3GPTModel` under
         `auto_map.AutoModel` (transformers writes only the saved class's entry; `AutoModel` with
@@ -300,31 +266,8 @@ class L3GPTPreTrainedModel(PreTrainedModel):
             self.config.auto_map = {**auto_map, "AutoModel": f"{L3GPTModel.__module__.rsplit('.', 1)[-1]}.L3GPTModel"}
         return super().save_pretrained(save_directory, *args, **kwargs)
 
-    def offload_l3_tables(self, mmap_checkpoint: str | os.PathLike | None = None):
-        """Keep the L3 tables in CPU memory for inference; returns the model. Each forward fetches only the routed
-        tokens' rows, on CUDA on a side stream overlapped with the decoder layers before the L3 layer; outputs equal
-        the on-device model's. `mmap_checkpoint`: None = tables in RAM (pinned when CUDA is available); a folder or
-        `.safetensors` file `save_pretrained` wrote for these weights = tables memory-mapped from it. Later `.to()`
-        calls leave the tables in CPU memory. Inference only. When to use which: `offload.py`'s docstring.
 
-        Raises:
-            FileNotFoundError, KeyError, ValueError: `mmap_checkpoint` lacks the tables or they do not fit the model.
-        """
-        offload_tables(self.base_model.l3_layers, mmap_checkpoint)
-        return self
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, l3_offload: bool | str = False, **kwargs):
-        """transformers' `from_pretrained`, plus `l3_offload`: `True` or `"mmap"` loads on the CPU, offloads the L3
-        tables (`offload_l3_tables`; `"mmap"` maps them from the checkpoint's files) and moves the rest to
-        `device_map`'s one device, so the tables never occupy the accelerator. Raises `ValueError` for another
-        `l3_offload` value or a `device_map` over several devices."""
-        if not l3_offload:
-            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        return load_offloaded(super().from_pretrained, pretrained_model_name_or_path, model_args, kwargs, l3_offload)
-
-
-class L3GPTModel(L3GPTPreTrainedModel):
+class L3GPTModel(L3TablesMixin, L3GPTPreTrainedModel):
     """The decoder stack. `x0 = smear(norm(embedding))`; per layer i: `h = resid_lambdas[i]·h + x0_lambdas[i]·x0`, the
     decoder layer (with layer i's value embeddings, if any), then the L3 layer if `i in config.l3_after_layers`;
     finally `h − backout_lambda·h_mid` (h_mid: h after layer `num_hidden_layers // 2`) and the final norm. Smear,
@@ -345,65 +288,6 @@ class L3GPTModel(L3GPTPreTrainedModel):
         self.l3_bounds = nn.Buffer(self.uniform_bounds(), persistent=True)
         self.gradient_checkpointing = False
         self.post_init()
-
-    def uniform_bounds(self) -> torch.LongTensor:
-        """CSR bounds `(vocab_size + 1,)` of the uniform allocation (all zeros-width when there is no L3 layer)."""
-        config = self.config
-        if not config.l3_after_layers:
-            return torch.zeros(config.vocab_size + 1, dtype=torch.long)
-        return bounds_from_counts(uniform_allocation(config.vocab_size, config.l3_n_emb, config.l3_k_max))
-
-    def set_l3_allocation(self, counts: torch.Tensor) -> None:
-        """Install per-token row counts `(vocab_size,)` (e.g. from `allocation.lzw_allocation`) for all L3 layers.
-
-        Raises:
-            ValueError: if the shape, the sum (`l3_n_emb`) or a count outside `[1, l3_k_max]` is wrong.
-        """
-        config = self.config
-        counts = torch.as_tensor(counts, dtype=torch.long)
-        if counts.shape != (config.vocab_size,):
-            raise ValueError(f"allocation has shape {tuple(counts.shape)}, expected ({config.vocab_size},)")
-        if int(counts.sum()) != config.l3_n_emb:
-            raise ValueError(f"allocation sums to {int(counts.sum())}, expected l3_n_emb={config.l3_n_emb}")
-        if int(counts.min()) < 1 or int(counts.max()) > config.l3_k_max:
-            raise ValueError(
-                f"allocation counts span [{int(counts.min())}, {int(counts.max())}], expected [1, {config.l3_k_max}]"
-            )
-        self.l3_bounds.copy_(bounds_from_counts(counts).to(self.l3_bounds.device))
-
-    @torch.no_grad()
-    def resize_token_tables(self, old_vocab_size: int, mean_resizing: bool = True) -> None:
-        """Resize the tables indexed by token id beside `embed_tokens` (value embeddings, L3 allocation and tables)
-        from `old_vocab_size` tokens to `config.vocab_size`; called by `resize_token_embeddings`, which has resized
-        `embed_tokens` and set the config. Updates `config.l3_n_emb` when there are L3 layers."""
-        vocab_size = self.config.vocab_size
-        for table in self.value_embeddings.values():
-            self.resized_table(table, vocab_size, mean_resizing)
-        counts = self.l3_counts()  # (old_vocab_size,)
-        if vocab_size < old_vocab_size:
-            counts = counts[:vocab_size]
-        else:  # without L3 layers every token owns zero rows
-            counts = torch.cat([counts, counts.new_full((vocab_size - old_vocab_size,), int(bool(self.l3_layers)))])
-        self.l3_bounds = bounds_from_counts(counts)
-        if not self.l3_layers:
-            return
-        self.config.l3_n_emb = int(self.l3_bounds[-1])
-        for layer in self.l3_layers.values():
-            for table in (layer.key_table, layer.value_table):
-                if table is not None:
-                    self.resized_table(table, self.config.l3_n_emb, mean_resizing)
-
-    def l3_counts(self) -> torch.LongTensor:
-        """Rows owned by each token, `(vocab_size,)`."""
-        return self.l3_bounds[1:] - self.l3_bounds[:-1]
-
-    def route_l3(self, input_ids: torch.LongTensor) -> L3Routing:
-        """`l3_routing` of `input_ids` for every L3 layer; with offloaded tables (`offload_l3_tables`) it also starts
-        fetching the routed rows to `input_ids`' device (on CUDA asynchronously, on a side stream)."""
-        routing, tables = l3_routing(input_ids, self.l3_bounds), host_tables(self.l3_layers)
-        if not tables:
-            return routing
-        return routing._replace(prefetch=prefetch_routed_rows(input_ids, self.l3_bounds, routing, tables))
 
     def attention_masks(
         self,

@@ -2,7 +2,7 @@
 is by token id, so the rows a forward needs are known before any layer runs and can be fetched while the decoder
 layers before the L3 layer compute).
 
-Two ways to hold a table, chosen by [`L3GPTPreTrainedModel.offload_l3_tables`]:
+Two ways to hold a table, chosen by [`L3OffloadMixin.offload_l3_tables`] (a method of every L3GPT model):
 - in RAM, page-locked (pinned) when CUDA is available: the GPU keeps none of the table; each forward copies only
   the routed tokens' rows to the GPU on a side stream, started before the first decoder layer, and the L3 layer waits
   on an event. For a GPU that cannot spare the tables' memory, on a host that can hold them.
@@ -233,28 +233,6 @@ def offload_tables(l3_layers: nn.ModuleDict, mmap_checkpoint: str | os.PathLike 
         setattr(l3_layers[index], name, HostTable.holding(table, weight))
 
 
-def load_offloaded(load, pretrained_model_name_or_path, model_args: tuple, kwargs: dict, l3_offload):
-    """`load(pretrained_model_name_or_path, *model_args, **kwargs)` (transformers' `from_pretrained`) on the CPU,
-    then the L3 tables offloaded (`True`: host memory; `"mmap"`: mapped from the checkpoint's files) and the rest of
-    the model moved to `kwargs["device_map"]`'s one device, so the tables never occupy the accelerator.
-
-    Raises:
-        ValueError: if `l3_offload` is not True or "mmap", or `device_map` spans several devices.
-    """
-    if l3_offload is not True and l3_offload != "mmap":
-        raise ValueError(
-            f"l3_offload={l3_offload!r}: expected True (tables in CPU memory, pinned when CUDA is available) or "
-            "'mmap' (tables memory-mapped from the checkpoint's safetensors files)"
-        )
-    device = single_device(kwargs.pop("device_map", None))
-    model = load(pretrained_model_name_or_path, *model_args, **kwargs)
-    checkpoint = None
-    if l3_offload == "mmap":
-        checkpoint = local_checkpoint_folder(pretrained_model_name_or_path, kwargs)
-    model.offload_l3_tables(mmap_checkpoint=checkpoint)
-    return model if device is None else model.to(device)
-
-
 def single_device(device_map) -> torch.device | None:
     """The one device of a `device_map` (`"cuda"`, `0`, `torch.device`, or `{"": device}`); None for None.
 
@@ -294,3 +272,44 @@ def local_checkpoint_folder(pretrained_model_name_or_path, kwargs: dict) -> Path
         f"{pretrained_model_name_or_path}: no model.safetensors or model.safetensors.index.json; l3_offload='mmap' "
         "needs safetensors weights"
     )
+
+
+class L3OffloadMixin:
+    """`L3GPTPreTrainedModel`'s offloading: `offload_l3_tables` on a loaded model, `l3_offload` in `from_pretrained`."""
+
+    def offload_l3_tables(self, mmap_checkpoint: str | os.PathLike | None = None):
+        """Keep the L3 tables in CPU memory for inference; returns the model. Each forward fetches only the routed
+        tokens' rows, on CUDA on a side stream overlapped with the decoder layers before the L3 layer; outputs equal
+        the on-device model's. `mmap_checkpoint`: None = tables in RAM (pinned when CUDA is available); a folder or
+        `.safetensors` file `save_pretrained` wrote for these weights = tables memory-mapped from it. Later `.to()`
+        calls leave the tables in CPU memory. Inference only. When to use which: this module's docstring.
+
+        Raises:
+            FileNotFoundError, KeyError, ValueError: `mmap_checkpoint` lacks the tables or they do not fit the model.
+        """
+        offload_tables(self.base_model.l3_layers, mmap_checkpoint)
+        return self
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, l3_offload: bool | str = False, **kwargs):
+        """transformers' `from_pretrained`, plus `l3_offload`: `True` or `"mmap"` loads on the CPU, offloads the L3
+        tables (`offload_l3_tables`; `"mmap"` maps them from the checkpoint's files) and moves the rest to
+        `device_map`'s one device, so the tables never occupy the accelerator.
+
+        Raises:
+            ValueError: if `l3_offload` is not False, True or "mmap", or `device_map` spans several devices.
+        """
+        if not l3_offload:
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        if l3_offload is not True and l3_offload != "mmap":
+            raise ValueError(
+                f"l3_offload={l3_offload!r}: expected True (tables in CPU memory, pinned when CUDA is available) or "
+                "'mmap' (tables memory-mapped from the checkpoint's safetensors files)"
+            )
+        device = single_device(kwargs.pop("device_map", None))
+        model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        checkpoint = None
+        if l3_offload == "mmap":
+            checkpoint = local_checkpoint_folder(pretrained_model_name_or_path, kwargs)
+        model.offload_l3_tables(mmap_checkpoint=checkpoint)
+        return model if device is None else model.to(device)

@@ -3,7 +3,7 @@ nanochat checkpoint and tokenizer that nanochat's own loader (`checkpoint_manage
 `scripts/chat_cli.py` read, with the same logits.
 
 ```bash
-python -m hfl3.models.l3gpt.convert_hf_to_nanochat --model_dir nanochat-d20-hf --source sft \\
+python -m hfl3.nanochat.convert_hf_to_nanochat --model_dir nanochat-d20-hf --source sft \\
     --nanochat_base_dir ~/.cache/nanochat
 NANOCHAT_BASE_DIR=~/.cache/nanochat python -m scripts.chat_cli -i sft   # in a nanochat checkout
 ```
@@ -40,12 +40,13 @@ import torch
 from transformers import AutoTokenizer
 
 from hfl3.atomic import atomic_path
+from hfl3.models.l3gpt.configuration_l3gpt import L3GPTConfig
+from hfl3.models.l3gpt.layers import L3GPTRMSNorm
+from hfl3.models.l3gpt.modeling_l3gpt import L3GPTForCausalLM
 from hfl3.provenance import package_versions, portable, sha256_file
 
-from .configuration_l3gpt import L3GPTConfig
 from .convert_nanochat_tokenizer import PICKLE_NAME, TOKEN_BYTES_NAME, encoding_from_tokenizer, encoding_pickle_bytes
 from .convert_nanochat_to_hf import NANOCHAT_RMS_NORM_EPS, NANOCHAT_VERSIONS, PAD_VOCAB_TO, weight_map
-from .modeling_l3gpt import L3GPTForCausalLM, L3GPTRMSNorm
 
 SOURCES = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 MASTER = NANOCHAT_VERSIONS["master"]
@@ -188,7 +189,7 @@ def export(model_dir: str | os.PathLike, nanochat_base_dir: str | os.PathLike, s
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model_dir", required=True, help="L3GPT folder (e.g. from convert_nanochat_to_hf)")
     parser.add_argument("--nanochat_base_dir", required=True, help="nanochat's NANOCHAT_BASE_DIR to write into")
     parser.add_argument("--source", required=True, choices=sorted(SOURCES), help="nanochat checkpoint family")

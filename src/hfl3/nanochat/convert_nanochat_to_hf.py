@@ -2,7 +2,7 @@
 load (remote code included), with the same logits on the same ids.
 
 ```bash
-python -m hfl3.models.l3gpt.convert_nanochat_to_hf \\
+python -m hfl3.nanochat.convert_nanochat_to_hf \\
     --checkpoint_dir ~/.cache/nanochat/chatsft_checkpoints/d20 --tokenizer_dir ~/.cache/nanochat/tokenizer \\
     --output_dir nanochat-d20-hf
 ```
@@ -43,7 +43,7 @@ Output (written under a temporary name, renamed when complete): `model.safetenso
 as nanochat's Engine), and provenance (`metadata.json`, safetensors header, README.md) naming the source files
 by name with their sha256 (no local path). `--push_to_hub --hub_model_id USER/NAME` uploads that folder.
 
-Not part of the remote code: nothing the modeling files import, so `save_pretrained` never copies it; it imports
+Not part of the remote code: it lives beside the model's folder (`hfl3/models/l3gpt/`), not in it, and imports
 hfl3's provenance writers as transformers' own conversion scripts import transformers.
 """
 
@@ -65,14 +65,14 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
+from hfl3.models.l3gpt.allocation import bounds_from_counts
+from hfl3.models.l3gpt.configuration_l3gpt import L3GPTConfig
+from hfl3.models.l3gpt.modeling_l3gpt import VALUE_EMBEDDING_GATE_RANGE, L3GPTForCausalLM
 from hfl3.provenance import build_metadata, push_folder_to_hub, sha256_file, stamp_folder
 
-from .allocation import bounds_from_counts
-from .configuration_l3gpt import L3GPTConfig
 from .convert_nanochat_tokenizer import (
     BOS_TOKEN, END_OF_TURN, PICKLE_NAME, load_nanochat_encoding, tokenizer_from_encoding,
 )  # fmt: skip
-from .modeling_l3gpt import VALUE_EMBEDDING_GATE_RANGE, L3GPTForCausalLM
 
 PAD_VOCAB_TO = 64  # nanochat GPT(pad_vocab_size_to=64)
 NANOCHAT_RMS_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm(eps=None) in float32 or bf16 compute
@@ -391,7 +391,7 @@ def convert(checkpoint_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike,
             "model_config": meta["model_config"], "val_bpb": meta.get("val_bpb"),
             "user_config": meta.get("user_config"),
         },
-        conversion={"converter": __name__, "dtype": dtype},
+        conversion={"converter": __spec__.name, "dtype": dtype},
     )  # fmt: skip
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp"))
@@ -414,8 +414,8 @@ def convert(checkpoint_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike,
 def model_card(name: str, version: NanochatVersion, meta: dict) -> dict:
     """`write_model_card` arguments of a converted folder: what it came from and how to load it."""
     bpb = meta.get("val_bpb")
-    text = (f"A nanochat model ({version.source}) converted to L3GPT by hfl3's `python -m {__name__}`: same logits "
-            "on the same token ids, same tokenizer ids, nanochat's chat format as the chat template."
+    text = (f"A nanochat model ({version.source}) converted to L3GPT by hfl3's `python -m {__spec__.name}`: same "
+            "logits on the same token ids, same tokenizer ids, nanochat's chat format as the chat template."
             + (f" nanochat's validation bpb at step {meta.get('step')}: {bpb:.4f}." if isinstance(bpb, float) else "")
             + "\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
             f"model = AutoModelForCausalLM.from_pretrained({name!r}, trust_remote_code=True)  # or import hfl3\n"
@@ -424,7 +424,7 @@ def model_card(name: str, version: NanochatVersion, meta: dict) -> dict:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint_dir", required=True,
                         help="nanochat folder with model_<step>.pt + meta_<step>.json")
     parser.add_argument("--step", type=int, default=None, help="step to convert (default: the largest present)")
