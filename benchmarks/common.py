@@ -1,5 +1,5 @@
-"""What every benchmark script shares: where the assets are, fresh processes for the arms of a comparison, and
-paths fit to be written into a result.
+"""What every benchmark script shares: where the assets are, the model shape its flags give, fresh processes for the
+arms of a comparison, and results written with paths fit to leave the machine.
 
 Assets (tokenizers, text, chat JSONL) are looked up by their path relative to an assets folder, in this order:
 `HFL3_ASSETS` (a folder you point at), the repository's own `tests/fixtures/` (a redistributable subset, the same
@@ -9,10 +9,15 @@ that holds the path wins, so a run on a machine with only the repository uses th
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hfl3 import L3GPTConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Set (to "1") in the section processes of gpu_suite.py --smoke: `in_fresh_process` then calls its function in the calling process. A smoke
@@ -95,3 +100,73 @@ def in_fresh_process(function, *arguments, env: dict[str, str] | None = None):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A benchmarked L3GPT's shape, by the names the scripts' flags use, in `L3GPTConfig.from_depth`'s terms.
+
+    depth: decoder layers; hidden size = `depth * aspect_ratio` rounded up to a multiple of `head_dim`.
+    vocab_size: the vocabulary before the config pads it to a multiple of 64.
+    seq_len: tokens per row, also the config's `max_position_embeddings` (None: a script without rows, the config's
+        default 2048).
+    batch_size: rows per step (None: a script that does not batch rows this way).
+    """
+
+    depth: int
+    vocab_size: int
+    head_dim: int = 128
+    aspect_ratio: int = 64
+    seq_len: int | None = None
+    batch_size: int | None = None
+
+    @classmethod
+    def of(cls, args, **fields) -> "ModelShape":
+        """The shape in a script's arguments `args` (the fields it has), `fields` over them."""
+        names = [field.name for field in dataclasses.fields(cls) if hasattr(args, field.name)]
+        return cls(**{name: getattr(args, name) for name in names} | fields)
+
+    def fill(self, args) -> None:
+        """Sets each shape field of `args` left at None (a flag not given) to this shape's value."""
+        for field in dataclasses.fields(self):
+            if hasattr(args, field.name) and getattr(args, field.name) is None:
+                setattr(args, field.name, getattr(self, field.name))
+
+    def config(self, **fields) -> "L3GPTConfig":
+        """`L3GPTConfig.from_depth` of this shape; `fields` (window pattern, L3 layers, token ids) passed on."""
+        from hfl3 import L3GPTConfig
+
+        if self.seq_len is not None:
+            fields.setdefault("max_position_embeddings", self.seq_len)
+        return L3GPTConfig.from_depth(self.depth, vocab_size=self.vocab_size, aspect_ratio=self.aspect_ratio,
+                                      head_dim=self.head_dim, **fields)
+
+
+# A shape's fields left unset: nanochat's d12 training shape on a GPU, a model a CPU steps through in well under a
+# second.
+GPU_SHAPE = ModelShape(depth=12, vocab_size=32768, head_dim=128, seq_len=2048, batch_size=16)
+CPU_SHAPE = ModelShape(depth=2, vocab_size=2048, head_dim=64, seq_len=128, batch_size=4)
+
+
+def device_shape() -> ModelShape:
+    """`GPU_SHAPE` where CUDA is available, else `CPU_SHAPE`."""
+    import torch
+
+    return GPU_SHAPE if torch.cuda.is_available() else CPU_SHAPE
+
+
+def machine_name(device: str) -> str:
+    """The machine a result was measured on, as results record it: the GPU's name, or the CPU's core count."""
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
+
+
+def write_result(path: str | os.PathLike | None, output: dict) -> dict:
+    """Writes a benchmark's `output` to `path` as indented JSON, atomically and its folder created
+    (`hfl3.atomic.write_json_atomic`), where a path was given (`--json`); returns `output`."""
+    if path:
+        from hfl3.atomic import write_json_atomic
+
+        write_json_atomic(path, output)
+    return output

@@ -53,13 +53,12 @@ from transformers import HfArgumentParser
 from hfl3.data.packing import PackingReport
 from hfl3.data.sources import open_corpus
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream, StreamProgress, stream_dataloader
-from hfl3.atomic import write_json_atomic
 from hfl3.tokenization import load_tokenizer, train_tokenizer
 from hfl3.trainers.pretrain import PackedCollator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-from common import find_asset  # noqa: E402
+from common import find_asset, write_result  # noqa: E402
 
 SEPARATOR = "<|endoftext|>"
 SHARD_BYTES = 25_000_000
@@ -257,9 +256,7 @@ def main(args: LoaderArguments) -> dict:
             print(f"{r['corpus']:12s} peak RSS of the process tree {r['peak_tree_rss_mb']:7.0f} MB, recipe process "
                   f"{r['recipe_process_peak_rss_mb']:6.0f} MB, {r['seconds']:5.0f} s")
         print(f"2 GB / 50 MB: {ratio:.3f} (goal <= 1.15)")
-    if args.json:
-        write_json_atomic(args.json, results)
-    return results
+    return write_result(args.json, results)
 
 
 if __name__ == "__main__":

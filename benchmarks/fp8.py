@@ -18,23 +18,25 @@ the CPU table only proves the script and every variant run, it says nothing abou
 import gc
 import json
 import math
-import os
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from transformers import HfArgumentParser
 
-from hfl3 import L3GPTConfig, L3GPTForCausalLM
+from hfl3 import L3GPTForCausalLM
 from hfl3.fp8 import convert_to_float8_training, select_float8_layers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import CPU_SHAPE, GPU_SHAPE, ModelShape, machine_name, write_result  # noqa: E402
 
 VARIANTS = ("bf16", "tensorwise", "rowwise", "torchao_tensorwise", "torchao_rowwise")
 # CPU defaults are tiny (the point is that it runs); CUDA defaults are nanochat's d12/d20 training shapes.
-DEVICE_DEFAULTS = {
-    "cpu": {"sizes": "d2", "batch_size": 4, "seq_len": 128, "vocab_size": 512, "steps": 8, "warmup": 2},
-    "cuda": {"sizes": "d12,d20", "batch_size": 16, "seq_len": 2048, "vocab_size": 32768, "steps": 20, "warmup": 5},
-}
+DEVICE_SHAPES = {"cpu": replace(CPU_SHAPE, vocab_size=512), "cuda": GPU_SHAPE}
+DEVICE_DEFAULTS = {"cpu": {"sizes": "d2", "steps": 8, "warmup": 2},
+                   "cuda": {"sizes": "d12,d20", "steps": 20, "warmup": 5}}
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Args:
     def __post_init__(self):
         if self.device not in DEVICE_DEFAULTS:
             raise ValueError(f"--device {self.device!r}: use cpu or cuda")
+        DEVICE_SHAPES[self.device].fill(self)
         for key, value in DEVICE_DEFAULTS[self.device].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
@@ -81,8 +84,7 @@ class Args:
 def build_model(args: Args, depth: int, variant: str) -> L3GPTForCausalLM:
     """Dense L3GPT of `depth` (nanochat sizing), converted for `variant`, on `args.device`."""
     torch.manual_seed(0)
-    config = L3GPTConfig.from_depth(depth, vocab_size=args.vocab_size, max_position_embeddings=args.seq_len,
-                                    window_pattern="L")
+    config = ModelShape.of(args, depth=depth).config(window_pattern="L")
     model = L3GPTForCausalLM(config)
     if variant in ("tensorwise", "rowwise"):
         convert_to_float8_training(model, recipe=variant)
@@ -172,7 +174,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(args: Args) -> None:
-    machine = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {os.cpu_count()} cores"
+    machine = machine_name(args.device)
     rows = []
     for depth in args.depth_list:
         for compiled in args.compile_list:
@@ -187,13 +189,7 @@ def main(args: Args) -> None:
         ratio = d20["tensorwise"] / d20["bf16"]
         verdict = "met" if ratio >= 1.2 else "NOT met"
         print(f"\ngoal: tensorwise ≥ 1.2× bf16 at d20 (compiled): {ratio:.2f}× — {verdict}")
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"args": asdict(args), "machine": machine, "torch": torch.__version__,
-                                   "rows": rows}, indent=2))
-        os.replace(tmp, path)
+    write_result(args.json, {"args": asdict(args), "machine": machine, "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ real-text sample routed by that text (frequent tokens own k_max rows, so the rou
     python benchmarks/l3_forward.py --json benchmarks/results/l3_forward.json
 """
 
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from hfl3.models.l3gpt.modeling_l3gpt import LargeLookupLayer
 from hfl3.models.l3gpt.reference import padded_lookup_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import find_asset, in_fresh_process  # noqa: E402
+from common import find_asset, in_fresh_process, write_result  # noqa: E402
 
 
 @dataclass
@@ -167,9 +166,7 @@ def main(args: Args) -> None:
               f"{ours['activation_bytes'] / naive['activation_bytes']:>10.3f}"
               f"{ours['peak_bytes'] / 2**20:>13.1f}{naive['peak_bytes'] / 2**20:>14.1f}"
               f"{ours['seconds'] * 1e3:>9.1f}{naive['seconds'] * 1e3:>9.1f}{naive['seconds'] / ours['seconds']:>8.2f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": asdict(args), "results": results}, indent=2))
+    write_result(args.json, {"args": asdict(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser, LogitsProcessor, LogitsProcessorList
 
-from hfl3 import L3GPTConfig, L3GPTForCausalLM
+from hfl3 import L3GPTForCausalLM
 from hfl3.models.l3gpt import lzw_allocation
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import in_fresh_process  # noqa: E402
+from common import ModelShape, in_fresh_process, machine_name, write_result  # noqa: E402
 from l3_forward import real_text_ids  # noqa: E402
 
 ARMS = {"cuda": ("on_device", "offloaded", "mmap"), "cpu": ("in_ram", "mmap", "default")}
@@ -117,11 +117,10 @@ def build(args: Args, folder: Path) -> None:
     if stride < 1:
         raise ValueError(f"--text_tokens {args.text_tokens}: {len(ids)} tokens of text leave too few after the "
                          f"allocation's {split} for 8 sequences of {length}; raise --text_tokens or --text_chars")
-    config = L3GPTConfig.from_depth(
-        args.num_hidden_layers, vocab_size=args.vocab_size, aspect_ratio=args.hidden_size // args.num_hidden_layers,
-        head_dim=min(128, args.hidden_size), window_pattern="L", l3_after_layers=[args.l3_after_layer],
-        l3_n_emb=args.l3_n_emb, l3_k_max=args.l3_k_max,
-    )
+    shape = ModelShape(depth=args.num_hidden_layers, vocab_size=args.vocab_size, head_dim=min(128, args.hidden_size),
+                       aspect_ratio=args.hidden_size // args.num_hidden_layers)
+    config = shape.config(window_pattern="L", l3_after_layers=[args.l3_after_layer], l3_n_emb=args.l3_n_emb,
+                          l3_k_max=args.l3_k_max)
     model = L3GPTForCausalLM(config)
     model.set_l3_allocation(lzw_allocation([ids[:split].tolist()], config.vocab_size, args.l3_n_emb, args.l3_k_max))
     with torch.no_grad():  # non-zero output projections, so that every layer (L3 included) shapes the logits
@@ -223,14 +222,9 @@ def report(args: Args, runs: dict, logit_diff: dict, table_bytes: int, touched: 
             key = f"decode_tok_s_batch{b}"
             line += f"{f'{values[key]:.1f} ({values[key] / base[key]:.3f})':>22}"
         print(line + f"{logit_diff[arm]:>15.1e}")
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {os.cpu_count()} cores"
-    output = {"args": asdict(args), "device": device, "table_bytes": table_bytes, "touched_table_bytes": touched,
-              "max_abs_logit_diff": logit_diff, "median": median, "runs": runs}
-    if args.json:
-        from hfl3.atomic import write_json_atomic
-
-        write_json_atomic(args.json, output)
-    return output
+    return write_result(args.json, {
+        "args": asdict(args), "device": machine_name(args.device), "table_bytes": table_bytes,
+        "touched_table_bytes": touched, "max_abs_logit_diff": logit_diff, "median": median, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -57,12 +57,11 @@ from l3_flops import l3_lookup_flops_per_token
 import text_corpus as text
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES
-from hfl3.atomic import write_json_atomic
 from hfl3.tokenization import token_bytes, train_tokenizer
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import find_asset, in_fresh_process, shown_path  # noqa: E402
+from common import ModelShape, find_asset, in_fresh_process, shown_path, write_result  # noqa: E402
 
 ARMS = ("dense_legacy", "dense", "l3", "dense_wide")
 COMPARISONS = (("l3", "dense"), ("l3", "dense_wide"), ("dense", "dense_legacy"))  # (arm, reference) pairs printed
@@ -149,8 +148,7 @@ def make_config(
     if with_l3:
         common.update(l3_after_layers=args.l3_after_layers, l3_n_emb=args.l3_n_emb, l3_k_max=args.l3_k_max,
                       l3_d_up=args.l3_d_up)
-    base = L3GPTConfig.from_depth(args.depth, vocab_size=len(tokenizer), aspect_ratio=args.aspect_ratio,
-                                  head_dim=args.head_dim, **common)
+    base = ModelShape.of(args, vocab_size=len(tokenizer)).config(**common)
     if hidden_size is None:
         return base
     heads = base.num_attention_heads
@@ -393,8 +391,7 @@ def main(args: BenchmarkArguments) -> dict:
     results = {"args": asdict(args) | {"text_dir": shown_path(args.text_dir)}, "routed_mean_rows": routed_mean_rows,
                "train_tokens": int(train_ids.size), "configs": {a: c.to_dict() for a, c in configs.items()},
                "summary": summary, "runs": runs, "peak_memory_bytes": memory, "torch_threads": torch.get_num_threads()}
-    if args.json:
-        write_json_atomic(Path(args.json), results)
+    write_result(args.json, results)
     if args.plot:
         save_plot(runs, args.plot)
     return results

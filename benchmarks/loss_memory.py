@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from hfl3 import L3GPTConfig, L3GPTForCausalLM
+from hfl3 import L3GPTForCausalLM
 from hfl3.models.l3gpt.linear_cross_entropy import liger_applies
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import in_fresh_process  # noqa: E402
+from common import ModelShape, in_fresh_process, write_result  # noqa: E402
 from l3_forward import cpu_resident_bytes  # noqa: E402
 
 PATHS = ("plain", "chunked")
@@ -64,8 +64,7 @@ def peak_growth(run, device: str):
 def measure_path(args: Args, path: str) -> dict:
     """One path's step in this process (call it in a fresh one: the peak is the process's own)."""
     torch.manual_seed(0)
-    config = L3GPTConfig.from_depth(args.hidden_size // 64, vocab_size=args.vocab_size, head_dim=128,
-                                    l3_after_layers=[], max_position_embeddings=args.seq_len)
+    config = ModelShape.of(args, depth=args.hidden_size // 64, head_dim=128).config(l3_after_layers=[])
     model = L3GPTForCausalLM(config).to(args.device).train()
     with torch.no_grad():
         model.lm_head.weight.normal_(std=0.05)  # nanochat's 0.001 init would make every logit ~0
@@ -100,14 +99,10 @@ def main(args: Args) -> dict:
               f"{r['seconds']:>8.2f}{r['seconds'] / plain['seconds']:>7.2f}{r['loss']:>10.5f}{r['grad_norm']:>11.5f}")
     print(f"|Δ loss| = {abs(chunked['loss'] - plain['loss']):.2e}, "
           f"relative Δ grad norm = {abs(chunked['grad_norm'] / plain['grad_norm'] - 1):.2e}")
-    from hfl3.atomic import write_json_atomic
     from hfl3.provenance import package_versions
 
-    output = {"args": asdict(args), "versions": package_versions(), "fused": fused, "logits_bytes": logits_bytes,
-              "results": [plain, chunked]}
-    if args.json:
-        write_json_atomic(args.json, output)
-    return output
+    return write_result(args.json, {"args": asdict(args), "versions": package_versions(), "fused": fused,
+                                    "logits_bytes": logits_bytes, "results": [plain, chunked]})
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ process per GPU is the intended use, untested).
 
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,10 +40,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import HfArgumentParser
 
-from hfl3 import L3GPTConfig, L3GPTForCausalLM
+from hfl3 import L3GPTForCausalLM
 from hfl3.optim import MuonAdamW, param_groups_by_kind
 from hfl3.trainers.launch import end_distributed_run
-from hfl3.atomic import write_json_atomic
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ModelShape, write_result  # noqa: E402
 
 SCHEMES = ("ddp", "zero2", "zero3", "fsdp2")
 ADAMW_LR = 1e-3
@@ -68,10 +71,7 @@ class ShardedArguments:
 
 def make_model(args: ShardedArguments, device: torch.device) -> L3GPTForCausalLM:
     torch.manual_seed(0)
-    config = L3GPTConfig.from_depth(
-        args.depth, vocab_size=args.vocab_size, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim,
-        max_position_embeddings=args.seq_len, window_pattern="L", l3_after_layers=args.l3_after_layers,
-    )  # fmt: skip
+    config = ModelShape.of(args).config(window_pattern="L", l3_after_layers=args.l3_after_layers)
     return L3GPTForCausalLM(config).to(device)
 
 
@@ -232,9 +232,7 @@ def main(args: ShardedArguments) -> dict:
               f"{row['train_ms']:9.1f} {row['x_ddp_train'] or float('nan'):6.2f} {state:>21s} {difference:>36s}")
     results = {"args": asdict(args), "torch": torch.__version__, "load_average": load, "muon_matrices": len(matrices),
                "arms": summary}
-    if args.json:
-        write_json_atomic(Path(args.json), results)
-    return results
+    return write_result(args.json, results)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ cautious weight decay's mask where an update element is ~0; bf16 Polar Express o
 import copy
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -36,10 +37,12 @@ from torch.optim.adamw import adamw
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import HfArgumentParser
 
-from hfl3 import L3GPTConfig, L3GPTForCausalLM
+from hfl3 import L3GPTForCausalLM
 from hfl3.optim import MuonAdamW, MuonSettings, muon_momentum, normuon_rescale, orthogonalize, param_groups_by_kind
 from hfl3.optim.muon_scaling import equilibrate, renormalize
-from hfl3.atomic import write_json_atomic
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ModelShape, machine_name, write_result  # noqa: E402
 
 MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
 
@@ -125,10 +128,7 @@ class PerParameterMuonAdamW:
 
 
 def make_model(args: StepArguments, device: torch.device) -> L3GPTForCausalLM:
-    config = L3GPTConfig.from_depth(
-        args.depth, vocab_size=args.vocab_size, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim,
-        window_pattern="L", l3_after_layers=args.l3_after_layers,
-    )  # fmt: skip
+    config = ModelShape.of(args).config(window_pattern="L", l3_after_layers=args.l3_after_layers)
     torch.manual_seed(0)
     with torch.device(device):
         return L3GPTForCausalLM(config)
@@ -251,7 +251,7 @@ def main(args: StepArguments) -> dict:
         summary[name].update(counts[name], x_adamw=summary[name]["wall"] / summary["adamw"]["wall"])
     default = "muon_compiled" if device.type == "cuda" and args.compiled else "muon_eager"
     matrices = next(group for group in param_groups_by_kind(model) if group["kind"] == "muon")["params"]
-    machine = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
+    machine = machine_name(device.type)
     load = os.getloadavg()
     print(f"\nOptimizer step, L3GPT depth {args.depth}, hidden {model.config.hidden_size}, vocab "
           f"{model.config.vocab_size}, L3 after {args.l3_after_layers or 'none'}: {len(matrices)} Muon matrices in "
@@ -269,9 +269,7 @@ def main(args: StepArguments) -> dict:
                "threads": torch.get_num_threads(), "load_average": load, "muon_matrices": len(matrices),
                "default_arm": default, "relative_update_difference_vs_per_parameter": differences, "arms": summary,
                "samples_ms": {name: [1e3 * s["wall"] for s in steps] for name, steps in samples.items()}}  # fmt: skip
-    if args.json:
-        write_json_atomic(Path(args.json), results)
-    return results
+    return write_result(args.json, results)
 
 
 if __name__ == "__main__":

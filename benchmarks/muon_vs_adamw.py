@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging as hf_logging
 
-from hfl3 import L3GPTConfig, L3GPTForCausalLM
+from hfl3 import L3GPTForCausalLM
 from hfl3.data.sft import split_indices
 from text_corpus import chunk_documents, load_corpus, pack_best_fit, tokenize_documents
 from hfl3.models.l3gpt.allocation import lzw_allocation
@@ -48,7 +48,7 @@ from hfl3.tokenization import token_bytes, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-from common import find_asset  # noqa: E402
+from common import ModelShape, find_asset  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -101,8 +101,7 @@ def build_data(args):
 
 def build_model(args, tokenizer, train_rows) -> L3GPTForCausalLM:
     torch.manual_seed(args.seed)
-    config = L3GPTConfig.from_depth(
-        args.depth, vocab_size=len(tokenizer), aspect_ratio=64, head_dim=64, max_position_embeddings=args.seq_len,
+    config = ModelShape.of(args, vocab_size=len(tokenizer), head_dim=64).config(
         window_pattern="L", l3_after_layers=[args.depth // 2 - 1 if args.depth > 1 else 0], l3_n_emb=args.l3_n_emb,
         l3_k_max=32, l3_d_up=64 * args.depth, l3_tie_kv=True,
         bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,

@@ -21,9 +21,11 @@ import torch
 from transformers import HfArgumentParser
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.atomic import write_json_atomic
 from hfl3.provenance import add_safetensors_metadata, build_metadata, package_versions, provenance_header
 from hfl3.provenance.safetensors_header import _insert_blocks_at_start
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
 
 ARMS = ("copy", "in_place")
 
@@ -82,11 +84,9 @@ def main(args: Args) -> dict:
     for arm in ARMS:
         print(f"{'header by ' + arm:<22}{median[arm]:>9.3f}{(save + median[arm]) / save:>22.3f}")
     print(f"in place / copy: {median['in_place'] / median['copy']:.4f}")
-    output = {"args": asdict(args), "versions": package_versions(), "file_bytes": size, "inserts_blocks": inserts,
-              "threads": torch.get_num_threads(), "seconds": times, "median_seconds": median}
-    if args.json:
-        write_json_atomic(args.json, output)
-    return output
+    return write_result(args.json, {
+        "args": asdict(args), "versions": package_versions(), "file_bytes": size, "inserts_blocks": inserts,
+        "threads": torch.get_num_threads(), "seconds": times, "median_seconds": median})
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from common import find_asset, in_fresh_process, shown_path  # noqa: E402
+from common import find_asset, in_fresh_process, shown_path, write_result  # noqa: E402
 
 ROWS = ("trl_default", "trl_matched", "trl_liger", "hfl3", "hfl3_packed")
 
@@ -216,16 +216,13 @@ def run(args: argparse.Namespace) -> dict:
               f"{r['supervised_per_s']:>12.0f} {r['supervised_per_s'] / reference['supervised_per_s']:>6.2f} "
               f"{r['tokens_per_cpu_s']:>12.0f} {r['tokens_per_cpu_s'] / reference['tokens_per_cpu_s']:>6.2f} "
               f"{r['s_per_step']:>7.2f} {r['peak_mib']:>9.0f} {r['peak_mib'] / reference['peak_mib']:>6.2f}")
-    from hfl3.atomic import write_json_atomic
     from hfl3.provenance import package_versions
 
     # Paths relative to the repository: no absolute local path in a committed result
     recorded = {key: shown_path(value) if isinstance(value, str) and os.path.isabs(value) else value
                 for key, value in vars(args).items()}
-    output = {"args": recorded, "versions": package_versions(), "reference": reference["row"], "results": results}
-    if args.json:
-        write_json_atomic(args.json, output)
-    return output
+    return write_result(args.json, {"args": recorded, "versions": package_versions(), "reference": reference["row"],
+                                    "results": results})
 
 
 if __name__ == "__main__":

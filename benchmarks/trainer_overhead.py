@@ -28,7 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import datasets
@@ -36,22 +36,19 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import HfArgumentParser, TrainerCallback, get_scheduler, set_seed
 
-from hfl3 import L3GPTConfig, L3GPTForCausalLM
+from hfl3 import L3GPTForCausalLM
 from hfl3.callbacks import LossPlotCallback, ThroughputCallback
 from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
 import text_corpus as text
 from hfl3.models.l3gpt import lzw_allocation
-from hfl3.atomic import write_json_atomic
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import find_asset, shown_path  # noqa: E402
+from common import CPU_SHAPE, GPU_SHAPE, ModelShape, find_asset, shown_path, write_result  # noqa: E402
 
-
-# Sizes when a field is left unset: a tiny model on CPU, nanochat's d12 on a GPU.
-CPU_SIZES = dict(vocab_size=2048, seq_len=128, batch_size=8, depth=2, head_dim=64)
-GPU_SIZES = dict(vocab_size=32768, seq_len=2048, batch_size=16, depth=12, head_dim=128)
+# A shape flag left unset: nanochat's d12 on a GPU; on a CPU the benchmarks' CPU shape with 8 rows per step.
+CPU_DEFAULT_SHAPE = replace(CPU_SHAPE, batch_size=8)
 
 
 @dataclass
@@ -74,9 +71,7 @@ class OverheadArguments:
     json: str | None = field(default=None, metadata={"help": "write the results here (JSON)"})
 
     def __post_init__(self):
-        for name, default in (GPU_SIZES if torch.cuda.is_available() else CPU_SIZES).items():
-            if getattr(self, name) is None:
-                setattr(self, name, default)
+        (GPU_SHAPE if torch.cuda.is_available() else CPU_DEFAULT_SHAPE).fill(self)
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available()
         if self.text_file is None:
@@ -102,10 +97,8 @@ def build_data(args: OverheadArguments):
 
 
 def build_model(args: OverheadArguments, tokenizer, allocation_sample, seed: int) -> L3GPTForCausalLM:
-    config = L3GPTConfig.from_depth(
-        args.depth, vocab_size=len(tokenizer), aspect_ratio=args.aspect_ratio, head_dim=args.head_dim,
-        max_position_embeddings=args.seq_len, window_pattern="L",
-        l3_after_layers=[] if args.dense else args.l3_after_layers,
+    config = ModelShape.of(args, vocab_size=len(tokenizer)).config(
+        window_pattern="L", l3_after_layers=[] if args.dense else args.l3_after_layers,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     set_seed(seed)
@@ -235,9 +228,7 @@ def main(args: OverheadArguments) -> dict:
     print(f"Trainer / plain: ratio of medians {results['ratio_of_medians']:.3f}, median of paired ratios "
           f"{results['median_of_paired_ratios']:.3f}, ratio of means {results['ratio_of_means']:.3f} (goal ≤ 1.05); "
           f"max |Δ weight| after the run {results['max_abs_param_difference']:.1e}")
-    if args.json:
-        write_json_atomic(Path(args.json), results)
-    return results
+    return write_result(args.json, results)
 
 
 if __name__ == "__main__":

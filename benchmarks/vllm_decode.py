@@ -22,11 +22,14 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import write_result  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -157,9 +160,8 @@ def main(args) -> None:
         h, v = hf[batch], vllm[batch]
         print(f"| {batch} | {h['wall']:.1f} / {h['cpu']:.1f} | {v['wall']:.1f} / {v['cpu']:.1f} | "
               f"{v['wall'] / h['wall']:.2f}× / {v['cpu'] / h['cpu']:.2f}× |")
-    if args.json:
-        settings = {key: value for key, value in vars(args).items() if key not in ("json", "serving_python", "folder")}
-        Path(args.json).write_text(json.dumps({"settings": settings, "transformers": hf, "vllm": vllm}, indent=2))
+    settings = {key: value for key, value in vars(args).items() if key not in ("json", "serving_python", "folder")}
+    write_result(args.json, {"settings": settings, "transformers": hf, "vllm": vllm})
 
 
 if __name__ == "__main__":

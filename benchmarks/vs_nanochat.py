@@ -52,7 +52,7 @@ import torch
 from transformers import HfArgumentParser, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import in_fresh_process, shown_path  # noqa: E402
+from common import ModelShape, device_shape, in_fresh_process, shown_path, write_result  # noqa: E402
 
 # What each hfl3 arm changes: an L3 layer, the core before nanochat master's features, an FP8 recipe
 HFL3_ARMS = {
@@ -63,9 +63,9 @@ ARMS = ("nanochat", *HFL3_ARMS)
 # accelerate_configs/fp8_ao.yaml as the environment `accelerate launch` exports from it
 AO_ENVIRONMENT = {"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND": "AO",
                   "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER": "false", "ACCELERATE_FP8_PAD_INNER_DIM": "true"}
-# Sizes when a field is left unset: nanochat's d12 on a GPU, a seconds-long model on CPU.
-GPU_SIZES = dict(depth=12, seq_len=2048, batch_size=16, vocab_size=32768, head_dim=128, steps=20, warmup_steps=10)
-CPU_SIZES = dict(depth=2, seq_len=128, batch_size=4, vocab_size=2048, head_dim=64, steps=5, warmup_steps=2)
+# Steps when left unset, beside the shape (`common.device_shape`): nanochat's d12 on a GPU, a seconds-long model on CPU.
+GPU_STEPS = dict(steps=20, warmup_steps=10)
+CPU_STEPS = dict(steps=5, warmup_steps=2)
 BOS = 0
 PROFILE_STEPS = 3  # steps profiled after the timed window with --profile_dir
 
@@ -95,10 +95,10 @@ class VsNanochatArguments:
 
     def __post_init__(self):
         cuda = torch.cuda.is_available()
-        for name, default in (GPU_SIZES if cuda else CPU_SIZES).items():
-            if getattr(self, name) is None:
-                setattr(self, name, default)
-        for name, default in (("compile", cuda), ("bf16", cuda), ("dataloader_num_workers", 2 if cuda else 0)):
+        device_shape().fill(self)
+        steps = GPU_STEPS if cuda else CPU_STEPS
+        for name, default in (*steps.items(), ("compile", cuda), ("bf16", cuda),
+                              ("dataloader_num_workers", 2 if cuda else 0)):
             if getattr(self, name) is None:
                 setattr(self, name, default)
         unknown = set(self.arms) - set(ARMS)
@@ -222,7 +222,7 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
     says (L3 layer, legacy core, FP8)."""
     import datasets
 
-    from hfl3 import L3GPTConfig, L3GPTForCausalLM, fp8
+    from hfl3 import L3GPTForCausalLM, fp8
     from hfl3.callbacks import LossPlotCallback, ThroughputCallback
     from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
     from l3_flops import l3_lookup_flops_per_token
@@ -234,8 +234,7 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
     total = args.warmup_steps + args.steps
     profiled = PROFILE_STEPS if args.profile_dir else 0
     rows = zipf_rows(args, (total + profiled) * args.batch_size, args.seq_len)
-    config = L3GPTConfig.from_depth(
-        args.depth, vocab_size=args.vocab_size, head_dim=args.head_dim, max_position_embeddings=args.seq_len,
+    config = ModelShape.of(args).config(
         window_pattern=args.window_pattern, bos_token_id=BOS, attn_implementation=args.attn_implementation,
         l3_after_layers=[max(0, args.depth // 2 - 1)] if change.get("l3") else [], l3_k_max=args.l3_k_max,
         **(dict(LEGACY_FIELD_VALUES) if change.get("legacy_core") else {}),
@@ -377,11 +376,7 @@ def main(args: VsNanochatArguments, on_result=None) -> dict:
     recorded = asdict(args) | {"nanochat_dir": shown_path(args.nanochat_dir)}
     output = {"args": recorded, "device": device, "torch": torch.__version__, "reference": reference["arm"],
               "results": results}
-    if args.json:
-        from hfl3.atomic import write_json_atomic
-
-        write_json_atomic(Path(args.json), output)
-    return output
+    return write_result(args.json, output)
 
 
 if __name__ == "__main__":

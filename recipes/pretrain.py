@@ -1,6 +1,6 @@
 """Pretrain an L3GPT on text with the HF Trainer: tokenizer, LZW allocation, streamed BOS-aligned packing, bpb eval.
 
-    # the demo (Python stdlib sources, L3 on, ~8 minutes on 2 CPU cores)
+    # the demo (stdlib sources, L3 on; `make demo` with its SFT step: 270 s on 2 CPU cores, dev/LOG.md 2026-11-26)
     accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain.py --config recipes/configs/demo.yaml
     # three Gutenberg novels (recipes/configs/gutenberg.yaml), Muon
     accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain.py \

@@ -3,6 +3,7 @@ loop is step-for-step equivalent to the Trainer; the GPU suite (`benchmarks/gpu_
 every section's fields on a CPU, a section over its time share is stopped with the rows it had, slices merge, assets
 are looked up in order. No speed is asserted (speed lives in the benchmark tables)."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -306,3 +307,20 @@ def test_assets_are_looked_up_in_hfl3_assets_then_fixtures_then_beside_the_check
     with pytest.raises(FileNotFoundError, match="asset text/d.txt not found .* set HFL3_ASSETS"):
         common.find_asset("text/d.txt")
     assert common.asset_or_none("text/d.txt") is None
+
+
+def test_model_shape_fills_only_unset_flags_and_gives_the_scripts_config(suite, tmp_path):
+    common = suite[0]
+    args = argparse.Namespace(depth=None, vocab_size=4000, seq_len=None, steps=None)
+    common.CPU_SHAPE.fill(args)
+    assert vars(args) == {"depth": 2, "vocab_size": 4000, "seq_len": 128, "steps": None}  # no field args lacks
+    shape = common.ModelShape.of(args, head_dim=32)
+    assert (shape.batch_size, shape.aspect_ratio) == (None, 64)
+    config = shape.config(window_pattern="L")
+    assert config.to_dict() == L3GPTConfig.from_depth(2, vocab_size=4000, head_dim=32, max_position_embeddings=128,
+                                                      window_pattern="L").to_dict()
+    without_rows = common.ModelShape(depth=2, vocab_size=4000).config()
+    assert without_rows.max_position_embeddings == L3GPTConfig.from_depth(2, vocab_size=4000).max_position_embeddings
+    written = common.write_result(tmp_path / "out" / "result.json", {"args": {"depth": 2}})
+    assert json.loads((tmp_path / "out" / "result.json").read_text()) == written
+    assert common.write_result(None, {"a": 1}) == {"a": 1}  # no --json: nothing written, the result returned

@@ -9,8 +9,9 @@ as there are (process, DataLoader worker) pairs, each stream's state small enoug
   split_dataset_by_node`), reads them in a seeded order that changes every epoch, and loops forever (training) or
   stops after `epochs`. A document that repeats an earlier one of the same shard (exactly) is dropped and counted
   (`ShardDuplicates`).
-- `PackedStream`: a `torch` `IterableDataset` of rows `(max_seq_len,)`; `reader(i, n, snapshot)` is one stream with
-  its buffers, `snapshot()` is its exact state (position in the corpus, buffered pieces, shuffle RNG, counters).
+- `PackedStream`: a `torch` `IterableDataset` of rows `(max_seq_len,)`; `reader(i, n, snapshot)` is stream `i` of `n`
+  as a `StreamReader`, which holds that stream's buffers and whose `snapshot()` is its exact state (position in the
+  corpus, buffered pieces, shuffle RNG, counters).
 - `StreamBatches` / `stream_dataloader`: the DataLoader for the Trainer. DataLoader worker `w` of process `r` is stream
   `r * W + w` of `world_size * W` (`W = max(1, num_workers)`); every batch carries its stream's `update()` taken right
   after its last row (the buffers by key, plus the pieces new since the previous batch: about a batch of tokens), so
