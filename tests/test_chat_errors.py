@@ -187,5 +187,5 @@ def test_recipe_stops_before_loading_the_model(tmp_path, assets, sft_recipe):
     with pytest.raises(InvalidChatRecord, match=rf"^{data}:2: message 1 has role 'bot'"):
         sft_recipe.build_trainer(script, SFTLoRAConfig(output_dir=str(tmp_path / "out")), model)
     asked_to_evaluate = SFTLoRAConfig(output_dir=str(tmp_path), eval_strategy="steps")
-    with pytest.raises(ValueError, match="needs --eval_file or --val_split"):
+    with pytest.raises(ValueError, match="needs --dataset_test_split, --val_split or --eval_file"):
         sft_recipe.build_trainer(sft_recipe.SFTScriptArguments(train_file=str(data)), asked_to_evaluate, model)

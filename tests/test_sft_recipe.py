@@ -364,7 +364,7 @@ def test_the_plainest_command_trains_without_evaluation(tmp_path, l3gpt_folder, 
     train = write_chat_jsonl(chats("good", 8, seed=0), tmp_path / "train.jsonl")
     results, args = run_recipe(sft_recipe, caplog, "--model_name_or_path", str(l3gpt_folder), "--train_file",
                                str(train), "--output_dir", str(tmp_path / "out"), "--num_train_epochs", "1")
-    assert "no --eval_file or --val_split: training without evaluation" in caplog.text
+    assert "no --dataset_test_split, --val_split or --eval_file: training without evaluation" in caplog.text
     assert (args.eval_strategy, args.load_best_model_at_end, args.eval_on_start) == ("no", False, False)
     assert results["global_step"] == 1 and results["train_loss"] > 0 and "eval_loss" not in results
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
