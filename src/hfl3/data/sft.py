@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 from hfl3.data import chat, masks, sft_sources
 from hfl3.data.chat import ChatDataStats, InvalidChatRecord, SFTDataError, normalize_record
 from hfl3.data.masks import AssistantMasker
-from hfl3.data.sft_sources import SFTSource, iter_shard, open_dataset, open_jsonl
+from hfl3.data.sft_sources import SFTSource, iter_arrow_batches, iter_shard, open_dataset, open_jsonl
 from hfl3.provenance import canonical_json, sha256_records
 
 logger = logging.getLogger(__name__)
@@ -224,14 +224,12 @@ def _report(encoded: datasets.Dataset, name: str, skip_invalid_records: bool, ea
 def _stream_records(encoded: datasets.Dataset, rows: np.ndarray):
     """The `record` strings of `rows` (sorted), read from the Arrow files without memory-mapping them."""
     start = 0
-    for cache_file in encoded.cache_files:
-        with pa.OSFile(cache_file["filename"]) as file:
-            for batch in pa.ipc.open_stream(file):
-                stop = start + batch.num_rows
-                texts = batch.column("record")
-                for row in rows[np.searchsorted(rows, start) : np.searchsorted(rows, stop)]:
-                    yield texts[int(row) - start].as_py()
-                start = stop
+    for batch in iter_arrow_batches(encoded):
+        stop = start + batch.num_rows
+        texts = batch.column("record")
+        for row in rows[np.searchsorted(rows, start) : np.searchsorted(rows, stop)]:
+            yield texts[int(row) - start].as_py()
+        start = stop
 
 
 def _rows(encoded: datasets.Dataset, rows: np.ndarray) -> datasets.Dataset:

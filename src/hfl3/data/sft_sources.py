@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 
 from hfl3.data.chat import iter_jsonl
 from hfl3.provenance import sha256_file
@@ -166,16 +167,58 @@ def _struct_columns(features) -> list[str]:
     return [name for name, feature in candidates if isinstance(feature, dict)]
 
 
+def iter_arrow_batches(dataset: datasets.Dataset) -> Iterator[pa.RecordBatch]:
+    """The record batches of a dataset's Arrow files, in order, read without memory-mapping them: the pages read do
+    not stay in the process's resident memory, which then stays flat in the data (a memory-mapped read keeps every
+    page it touched resident). Only for a dataset of whole Arrow files (`streams_from_files`)."""
+    for cache_file in dataset.cache_files:
+        with pa.OSFile(cache_file["filename"]) as file:
+            yield from pa.ipc.open_stream(file)
+
+
+def streams_from_files(dataset: datasets.Dataset) -> bool:
+    """Whether `dataset` is its Arrow files, whole and in order (no selection of rows or columns, nothing in memory)."""
+    if not dataset.cache_files or dataset._indices is not None:
+        return False
+    rows = 0
+    for cache_file in dataset.cache_files:  # memory-mapped: only the batch headers are read
+        table = pa.ipc.open_stream(pa.memory_map(cache_file["filename"])).read_all()
+        if table.column_names != dataset.column_names:
+            return False
+        rows += table.num_rows
+    return rows == len(dataset)
+
+
 def iter_shard(shard: JsonlShard | DatasetShard) -> Iterator[tuple[str, object]]:
-    """`(where, record object or InvalidChatRecord)` of every record of the shard, in order."""
+    """`(where, record object or InvalidChatRecord)` of every record of the shard, in order. Dataset rows are read
+    from its Arrow files without memory-mapping them when it is whole files (`iter_arrow_batches`)."""
     if isinstance(shard, JsonlShard):
         yield from iter_jsonl(shard.path, shard.start, shard.stop, shard.first_line, shard.name)
         return
-    rows = shard.dataset.select(range(shard.start, shard.stop))
-    for first, batch in zip(itertools.count(shard.start, ROWS_PER_READ), rows.iter(batch_size=ROWS_PER_READ)):
+    dataset = shard.dataset
+    if streams_from_files(dataset):
+        batches, row = _row_range(iter_arrow_batches(dataset), shard.start, shard.stop), shard.start
+        decoded = (dataset.features.decode_batch(batch.to_pydict()) for batch in batches)
+    else:
+        batches, row = None, shard.start
+        decoded = dataset.select(range(shard.start, shard.stop)).iter(batch_size=ROWS_PER_READ)
+    for batch in decoded:
         columns = list(batch)
-        for offset, values in enumerate(zip(*(batch[c] for c in columns))):
-            yield f"{shard.name} row {first + offset}", dict(zip(columns, values))
+        for values in zip(*(batch[c] for c in columns)):
+            yield f"{shard.name} row {row}", dict(zip(columns, values))
+            row += 1
+
+
+def _row_range(batches: Iterator[pa.RecordBatch], start: int, stop: int) -> Iterator[pa.RecordBatch]:
+    """The rows `start` to `stop` of a stream of record batches, as slices of them."""
+    first = 0
+    for batch in batches:
+        last = first + batch.num_rows
+        if last > start and first < stop:
+            yield batch.slice(max(0, start - first), min(stop, last) - max(start, first))
+        if last >= stop:
+            return
+        first = last
 
 
 def iter_source(train_file: str | None = None, dataset_name: str | None = None, dataset_config: str | None = None,
