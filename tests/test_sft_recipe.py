@@ -335,6 +335,15 @@ def test_max_length_beyond_the_trained_positions_is_warned(tmp_path, l3gpt_folde
     assert ("exceeds the base model's max_position_embeddings 128" in caplog.text) == warned
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_finished_rows_skip_trls_preparation_unless_packed(tmp_path, tokenizers, packing):
+    trainer, data = make_trainer(tmp_path, tokenizers["l3gpt"], tiny_l3gpt, packing)
+    # unpacked, TRL would truncate the truncated rows again and keep every one of them: two copies for nothing
+    assert (trainer.train_dataset is data.train) != packing and (trainer.eval_dataset is data.eval) != packing
+    assert trainer.args.dataset_kwargs == (None if packing else {"skip_prepare_dataset": True})
+    assert ("seq_lengths" in trainer.train_dataset.column_names) == packing  # TRL's packing ran
+
+
 def test_datasets_without_labels_are_refused(tmp_path, tokenizers):
     rows = Dataset.from_dict({"input_ids": [[1, 2, 3]]})
     args = SFTLoRAConfig(output_dir=str(tmp_path), eval_strategy="no", load_best_model_at_end=False)
