@@ -38,8 +38,9 @@ from hfl3.provenance import sha256_records
 
 MARK = "hfl3-probe-8d1c"
 _BACKENDS: dict[str, Tokenizer] = {}
-"""Tokenizer backends of pickled maskers, by fingerprint: a worker process forked after the pickling inherits them, and
-unpickling a masker there takes the backend from here instead of rebuilding it (0.7 s for Qwen3's)."""
+"""Tokenizer backends of fingerprinted maskers, by fingerprint: a worker process forked afterwards (a `datasets` pool)
+inherits them, and unpickling a masker there takes the backend from here instead of rebuilding it (0.7 s for
+Qwen3's)."""
 
 
 @dataclass
@@ -151,15 +152,16 @@ class AssistantMasker:
 
     def fingerprint(self) -> str:
         """sha256 of all that encoding depends on: the tokenizer (vocabulary, merges, normalizer, ...), the templates,
-        their variables, the special texts."""
-        return sha256_records([self.backend_json, self.template, self.tool_template, self.variables,
-                               self.special_texts, self.eos_token])
+        their variables, the special texts. Leaves the backend in `_BACKENDS` for the worker processes forked later."""
+        if "_fingerprint" not in self.__dict__:
+            self._fingerprint = sha256_records([self.backend_json, self.template, self.tool_template, self.variables,
+                                                self.special_texts, self.eos_token])
+            _BACKENDS[self._fingerprint] = self.backend
+        return self._fingerprint
 
     def __getstate__(self) -> dict:
-        key = self.fingerprint()
-        _BACKENDS[key] = self.backend
         return {**{k: v for k, v in self.__dict__.items() if k != "backend"}, "backend_json": self.backend_json,
-                "backend_key": key}
+                "backend_key": self.fingerprint()}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
