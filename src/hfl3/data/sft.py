@@ -268,7 +268,8 @@ def load_sft_data(
 
     Args:
         dataset_num_proc: processes that encode (TRL's `SFTConfig.dataset_num_proc`; None: 1).
-        cache_dir: where the encoded rows are cached (default: the `datasets` cache, `HF_DATASETS_CACHE`).
+        cache_dir: where the encoded rows, and a `datasets` source's prepared Arrow files, are cached (default: the
+            `datasets` cache, `HF_DATASETS_CACHE`).
 
     Raises:
         InvalidChatRecord: the first bad record (all are counted in its message), unless `skip_invalid_records`.
@@ -288,11 +289,12 @@ def load_sft_data(
     if train_file is not None:
         sources = {"train_file": open_jsonl(str(train_file))}
     else:
-        sources = {"dataset_train_split": open_dataset(dataset_name, dataset_config, dataset_train_split or "train")}
+        sources = {"dataset_train_split": open_dataset(dataset_name, dataset_config, dataset_train_split or "train",
+                                                       cache_dir)}
     if eval_file is not None:
         sources["eval_file"] = open_jsonl(str(eval_file))
     if dataset_test_split:
-        sources["dataset_test_split"] = open_dataset(dataset_name, dataset_config, dataset_test_split)
+        sources["dataset_test_split"] = open_dataset(dataset_name, dataset_config, dataset_test_split, cache_dir)
     encoded, kept, stats, earlier = {}, {}, {}, None
     for argument, source in sources.items():
         encoded[argument] = encode_source(source, masker, max_length, num_proc, cache_dir)

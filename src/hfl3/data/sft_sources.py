@@ -108,7 +108,7 @@ class _LineStarts:
         self.offset += len(block)
 
 
-def load_split(name: str, config: str | None, split: str, streaming: bool = False):
+def load_split(name: str, config: str | None, split: str, streaming: bool = False, cache_dir: str | None = None):
     """`datasets.load_dataset` of a Hub id, a local folder, or one local data file (json/jsonl/parquet/arrow: its one
     split is "train", as `datasets` names it).
 
@@ -117,7 +117,8 @@ def load_split(name: str, config: str | None, split: str, streaming: bool = Fals
     """
     path, data_files = (BUILDERS[Path(name).suffix], name) if Path(name).is_file() else (name, None)
     try:
-        dataset = datasets.load_dataset(path, config, data_files=data_files, split=split, streaming=streaming)
+        dataset = datasets.load_dataset(path, config, data_files=data_files, split=split, streaming=streaming,
+                                        cache_dir=cache_dir)
     except ValueError as error:
         if "split" not in str(error):
             raise
@@ -138,9 +139,10 @@ def dataset_splits(name: str, config: str | None) -> list[str] | None:
     return [str(split) for split in splits] if splits else None
 
 
-def open_dataset(name: str, config: str | None, split: str) -> SFTSource:
-    """A `datasets` split as a source; its local data files, if any, are hashed for the provenance."""
-    dataset = load_split(name, config, split)
+def open_dataset(name: str, config: str | None, split: str, cache_dir: str | None = None) -> SFTSource:
+    """A `datasets` split as a source (prepared by `datasets` into `cache_dir`, default its own cache); its local data
+    files, if any, are hashed for the provenance."""
+    dataset = load_split(name, config, split, cache_dir=cache_dir)
     provenance = {"dataset": {"name": name, "config": config, "split": split, "fingerprint": dataset._fingerprint}}
     if Path(name).is_file():
         provenance["files_sha256"] = {name: sha256_file(name)}
