@@ -1,17 +1,26 @@
-"""LoRA SFT of a causal LM on chat JSONL, with the loss on assistant tokens only.
+"""LoRA SFT of a causal LM on chat data, with the loss on assistant tokens only.
 
 The model: a local folder or Hub id that `AutoModelForCausalLM` loads (Llama, Qwen2/3, Gemma2/3, ...), a GGUF file
 (`--gguf_file NAME` in the `--model_name_or_path` folder, dequantized; `pip install 'hfl3[gguf]'`) or an L3GPT from
-`recipes/pretrain.py`. The data: `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}` per line;
-masks come from the model's own chat template (check them: `python -m hfl3.data.inspect --tokenizer M --data F`).
+`recipes/pretrain.py`. The data: `--train_file F` (JSONL) or `--dataset_name D` (a Hub dataset, a local folder of
+parquet/JSON files, or one such file; `--dataset_config`, `--dataset_train_split`, `--dataset_test_split`), in TRL's
+formats: `{"messages": [...]}` (roles system/developer/user/assistant/tool, assistant `tool_calls` and
+`reasoning_content`, `training: false`), ShareGPT's `conversations`, or `prompt`/`completion`; each with optional
+`tools` (`hfl3.data.chat` lists the rules). Masks come from the model's own chat template (check them:
+`python -m hfl3.data.inspect --tokenizer M --train_file F`); the rows are encoded by `--dataset_num_proc` processes and
+cached by content in the `datasets` cache.
 
 ```bash
 # the plainest run: no evaluation data, so no evaluation (one log line says so)
 accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sft_lora.py \
     --model_name_or_path MODEL --train_file train.jsonl --output_dir outputs/sft
-# GSM8K on a small model (CPU), evaluated every epoch on a seeded 10% split
+# GSM8K on a small model (CPU), evaluated every epoch on GSM8K test chats
 accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sft_lora.py \
     --config recipes/configs/sft_gsm8k.yaml
+# a Hub dataset (or a local folder of parquet files), evaluated on its test split, encoded by 4 processes
+accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sft_lora.py --model_name_or_path MODEL \
+    --dataset_name HuggingFaceTB/smoltalk --dataset_config all --dataset_test_split test --dataset_num_proc 4 \
+    --output_dir outputs/smoltalk
 # the demo: stdlib-docstring chats on the pretrained demo L3GPT, then one answer from the adapter
 accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sft_lora.py \
     --config recipes/configs/sft_demo.yaml
@@ -62,6 +71,7 @@ from hfl3.trainers.inputs import (
     check_file,
     check_hub_repo,
     check_pretrained,
+    check_sft_dataset,
     is_hub_id,
 )
 from hfl3.trainers.outputs import base_model_hub_id, prepare_output_dir, work_dir
@@ -72,11 +82,20 @@ logger = logging.getLogger("hfl3.recipes.sft_lora")
 
 @dataclass
 class SFTScriptArguments:
-    """Data (`train_file` or `stdlib_chats`; evaluation from `eval_file` or a seeded `val_split`, or none) and
-    outputs (`merge`: also a merged full model in `output_dir/merged`; `sample_prompts`: answered at the end)."""
+    """Data (`dataset_name`, `train_file` or `stdlib_chats`; evaluation from `dataset_test_split`, a seeded
+    `val_split` or `eval_file`, or none) and outputs (`merge`: also a merged full model in `output_dir/merged`;
+    `sample_prompts`: answered at the end). The `dataset_*` names are TRL's (`trl.ScriptArguments`)."""
 
     _argument_group_name = "data and outputs (recipes/sft_lora.py)"
 
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "A datasets name: Hub dataset id, local folder of data files, or a "
+                                        ".json/.jsonl/.parquet/.arrow file."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Configuration of dataset_name."})
+    dataset_train_split: str | None = field(
+        default=None, metadata={"help": "Split of dataset_name to train on (default: train)."})
+    dataset_test_split: str | None = field(
+        default=None, metadata={"help": "Split of dataset_name to evaluate on (default: none)."})
     train_file: str | None = field(default=None, metadata={"help": "Chat JSONL: one {\"messages\": [...]} per line."})
     stdlib_chats: int = field(
         default=0, metadata={"help": "Instead of train_file: build this many chats from Python stdlib docstrings."}
@@ -125,21 +144,32 @@ def check_arguments(script_args: SFTScriptArguments, training_args: SFTLoRAConfi
     evaluation off; resolve `eval_on_start`.
 
     Raises:
-        ValueError: no model; no or two data sources; `use_peft=False`; evaluation, best-model loading or early
-            stopping asked for without evaluation data.
+        ValueError: no model; no or two data sources (or two evaluation sources); `dataset_*` options without
+            `--dataset_name`; `use_peft=False`; evaluation, best-model loading or early stopping asked for without
+            evaluation data.
     """
     if not model_args.model_name_or_path:
         raise ValueError("--model_name_or_path is required (a folder, a Hub id, or the folder of --gguf_file)")
-    if bool(script_args.train_file) == bool(script_args.stdlib_chats):
-        raise ValueError("give exactly one of --train_file and --stdlib_chats")
+    sources = [name for name in ("dataset_name", "train_file", "stdlib_chats") if getattr(script_args, name)]
+    if len(sources) != 1:
+        raise ValueError("give exactly one of --dataset_name, --train_file and --stdlib_chats")
+    evaluation = [name for name in ("dataset_test_split", "val_split", "eval_file") if getattr(script_args, name)]
+    if len(evaluation) > 1:
+        raise ValueError(f"give at most one of --dataset_test_split, --val_split and --eval_file (got --"
+                         f"{' and --'.join(evaluation)})")
+    for name in ("dataset_config", "dataset_train_split", "dataset_test_split"):
+        if getattr(script_args, name) and not script_args.dataset_name:
+            raise ValueError(f"--{name} needs --dataset_name")
     if not model_args.use_peft:
         raise ValueError("this recipe trains LoRA adapters; --use_peft false is not supported")
-    has_eval = bool(script_args.eval_file or script_args.val_split)
+    has_eval = bool(evaluation)
     if not has_eval and training_args.evaluate_by_default and not training_args.early_stopping_patience:
-        logger.info("no --eval_file or --val_split: training without evaluation (no best-model selection)")
+        logger.info("no --dataset_test_split, --val_split or --eval_file: training without evaluation (no "
+                    "best-model selection)")
         training_args.without_evaluation()
     if training_args.eval_strategy != "no" and not has_eval:
-        raise ValueError(f"eval_strategy={training_args.eval_strategy.value} needs --eval_file or --val_split")
+        raise ValueError(f"eval_strategy={training_args.eval_strategy.value} needs --dataset_test_split, "
+                         "--val_split or --eval_file")
     if training_args.early_stopping_patience and not (has_eval and training_args.load_best_model_at_end):
         raise ValueError("--early_stopping_patience needs evaluation data and --load_best_model_at_end true")
     if training_args.eval_on_start is None:
@@ -160,6 +190,11 @@ def check_inputs(script_args: SFTScriptArguments, model_args: SFTModelArguments,
     for argument in ("train_file", "eval_file"):
         if getattr(script_args, argument):
             check_file(argument, getattr(script_args, argument), 'a chat JSONL file (one {"messages": [...]} per line)')
+    if script_args.dataset_name:
+        splits = {"dataset_train_split": script_args.dataset_train_split or "train"}
+        if script_args.dataset_test_split:
+            splits["dataset_test_split"] = script_args.dataset_test_split
+        check_sft_dataset(script_args.dataset_name, script_args.dataset_config, splits)
     if training_args.chat_template_path:
         check_file("chat_template_path", training_args.chat_template_path, "a Jinja chat template file (applied "
                    "before tokenization)", suffixes=(".jinja", ".j2"))
@@ -208,9 +243,13 @@ def build_trainer(script_args: SFTScriptArguments, training_args: SFTLoRAConfig,
         with main_writes(train_file) as writing:
             if writing:
                 write_chat_jsonl(stdlib_docstring_chats(script_args.stdlib_chats, seed=training_args.seed), train_file)
-    data = load_sft_data(tokenizer, train_file, eval_file=script_args.eval_file, val_split=script_args.val_split,
-                         seed=training_args.seed, max_length=training_args.max_length,
-                         skip_invalid_records=script_args.skip_invalid_records)
+    with training_args.main_process_first(desc="SFT data"):  # the others read the rows it cached
+        data = load_sft_data(
+            tokenizer, train_file, eval_file=script_args.eval_file, dataset_name=script_args.dataset_name,
+            dataset_config=script_args.dataset_config, dataset_train_split=script_args.dataset_train_split,
+            dataset_test_split=script_args.dataset_test_split, val_split=script_args.val_split,
+            seed=training_args.seed, max_length=training_args.max_length,
+            skip_invalid_records=script_args.skip_invalid_records, dataset_num_proc=training_args.dataset_num_proc)
     # A GGUF file is dequantized into dense weights and loses its quantizer, which the Trainer refuses to train
     gguf = dict(gguf_file=model_args.gguf_file, quantization_config=GgufConfig(dequantize=True)) \
         if model_args.gguf_file else {}
@@ -256,8 +295,7 @@ def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_ar
     results = {**eval_before(trainer.state.log_history), **train_result.metrics}
     if data.eval is not None:
         results.update(trainer.evaluate())
-    supervised_per_epoch = sum(sum(label != -100 for label in row[1:]) for row in data.train["labels"])
-    results["train_supervised_tokens"] = int(supervised_per_epoch * (trainer.state.epoch or 0.0))
+    results["train_supervised_tokens"] = int(data.train_supervised_tokens * (trainer.state.epoch or 0.0))
     # Wall time of trainer.train, which includes the evaluations and checkpoint saves made during training
     results["train_supervised_tokens_per_second"] = results["train_supervised_tokens"] / results["train_runtime"]
     results["global_step"] = trainer.state.global_step

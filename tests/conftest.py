@@ -12,6 +12,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -20,6 +21,10 @@ from external_assets import find_gemma3_tokenizer, gemma3_skip_reason
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite's `datasets` caches (SFT rows are cached by content) live in a folder of their own, removed at exit; set
+# before `datasets` is imported, and inherited by the recipes the tests launch
+_DATASETS_CACHE = tempfile.TemporaryDirectory(prefix="hfl3-tests-datasets-")
+os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE.name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures"

@@ -23,6 +23,8 @@ GEMMA3_TESTS = sorted(
     ["tests/test_chat_errors.py::test_template_rejection_is_reported_with_its_reason",
      "tests/test_chat_masks.py::test_end_of_turn_comes_from_the_template[gemma3-<end_of_turn>]",
      "tests/test_chat_masks.py::test_truncation_keeps_the_start_then_drops_rows_without_supervision[gemma3]",
+     "tests/test_sft_data.py::test_supervised_text_is_what_was_marked_by_hand[Gemma 3, training false]",
+     "tests/test_sft_data.py::test_supervised_text_is_what_was_marked_by_hand[Gemma 3 has no tools]",
      "tests/test_sft_recipe.py::test_compact_loss_equals_trl_loss_and_gradients[False-gemma3-tiny_gemma3]",
      "tests/test_sft_recipe.py::test_compact_loss_equals_trl_loss_and_gradients[True-gemma3-tiny_gemma3]",
      "tests/test_text_data.py::test_token_bytes_counts_raw_utf8_bytes[gemma3]"]

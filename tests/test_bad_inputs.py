@@ -201,7 +201,7 @@ INPUT_ERRORS = [  # (recipe, arguments after valid ones, the exact message); {tm
      "upload that ends the run would fail; unset it, or drop --push_to_hub and upload the output folder later"),
     ("sft_lora", ["--base_model_hub_id", "me/base model"], "--base_model_hub_id me/base model: not a Hub repository "
      "id; expected USER/NAME, the Hub repository of --model_name_or_path"),
-    ("sft_lora", ["--stdlib_chats", "4"], "give exactly one of --train_file and --stdlib_chats"),
+    ("sft_lora", ["--stdlib_chats", "4"], "give exactly one of --dataset_name, --train_file and --stdlib_chats"),
     ("pretrain", ["--dataset", "/nonexistent_dir"],
      f"--dataset /nonexistent_dir: no such file or folder; expected {CORPUS}"),
     ("pretrain", ["--dataset", "stdlib,{tmp}/novel.txt"],
@@ -225,8 +225,9 @@ INPUT_ERRORS = [  # (recipe, arguments after valid ones, the exact message); {tm
 
 @pytest.fixture(scope="module")
 def valid_inputs(tmp_path_factory, assets) -> Path:
-    """A folder with what the recipes accept: `model/` (a config.json), `tokenizer/` (Qwen3's), `train.jsonl`; and
-    what they refuse: `template.txt` (a chat template with the wrong suffix), `full/` (a non-empty output folder)."""
+    """A folder with what the recipes accept: `model/` (a config.json), `tokenizer/` (Qwen3's), `train.jsonl`,
+    `hub_style/` (a dataset folder with train and test splits); and what they refuse: `template.txt` (a chat
+    template with the wrong suffix), `full/` (a non-empty output folder)."""
     folder = tmp_path_factory.mktemp("inputs")
     Qwen3Config(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=8).save_pretrained(folder / "model")
@@ -235,6 +236,9 @@ def valid_inputs(tmp_path_factory, assets) -> Path:
     (folder / "template.txt").write_text("{% for message in messages %}{{ message['content'] }}{% endfor %}")
     (folder / "full").mkdir()
     (folder / "full" / "old.txt").write_text("a finished run")
+    (folder / "hub_style").mkdir()  # a dataset folder as the Hub lays it out: one parquet file per split
+    for split in ("train", "test"):
+        Dataset.from_list(stdlib_docstring_chats(2, seed=0)).to_parquet(str(folder / "hub_style" / f"{split}.parquet"))
     return folder
 
 
@@ -258,6 +262,40 @@ def test_a_mistyped_path_or_name_is_one_line_before_any_work(repo_root, valid_in
     assert not (valid_inputs / "out").exists()  # nothing written
 
 
+SFT_DATASET = ("a datasets name: a Hub dataset id, a local folder of data files, or a .json/.jsonl/.parquet/.arrow "
+               "file")
+DATASET_ERRORS = [  # (arguments after --model_name_or_path and --output_dir, the exact message)
+    (["--dataset_name", "/nonexistent_dir"], f"--dataset_name /nonexistent_dir: no such file or folder; expected "
+                                             f"{SFT_DATASET}"),
+    (["--dataset_name", "{tmp}/template.txt"], "--dataset_name {tmp}/template.txt: not a .json/.jsonl/.parquet/.arrow "
+                                               f"file; expected {SFT_DATASET}"),
+    (["--dataset_name", "{tmp}/full"], "--dataset_name {tmp}/full: the folder holds no .json/.jsonl/.parquet/.arrow "
+                                       f"file; expected {SFT_DATASET}"),
+    (["--dataset_name", "nobody/no-such-dataset"], "--dataset_name nobody/no-such-dataset: no such file or folder, and "
+     "HF_HUB_OFFLINE=1 with no copy of the Hub dataset nobody/no-such-dataset in the local cache; expected "
+     f"{SFT_DATASET}"),
+    (["--dataset_name", "{tmp}/hub_style", "--dataset_test_split", "validation"], "--dataset_test_split validation: "
+     "--dataset_name {tmp}/hub_style has no such split; it has test, train"),
+    (["--dataset_name", "{tmp}/hub_style", "--dataset_train_split", "all"], "--dataset_train_split all: "
+     "--dataset_name {tmp}/hub_style has no such split; it has test, train"),
+    (["--dataset_name", "{tmp}/hub_style", "--dataset_test_split", "test", "--val_split", "0.1"],
+     "give at most one of --dataset_test_split, --val_split and --eval_file (got --dataset_test_split and "
+     "--val_split)"),
+    (["--dataset_name", "{tmp}/hub_style", "--train_file", "{tmp}/train.jsonl"],
+     "give exactly one of --dataset_name, --train_file and --stdlib_chats"),
+    (["--train_file", "{tmp}/train.jsonl", "--dataset_config", "all"], "--dataset_config needs --dataset_name"),
+]
+
+
+@pytest.mark.parametrize("arguments, message", DATASET_ERRORS)
+def test_a_mistyped_dataset_or_split_is_one_line_before_any_work(repo_root, valid_inputs, capsys, arguments,
+                                                                 message):
+    arguments = ["--model_name_or_path", "{tmp}/model", "--output_dir", "{tmp}/out", *arguments]
+    arguments = [argument.replace("{tmp}", str(valid_inputs)) for argument in arguments]
+    assert parse_error(repo_root, capsys, "sft_lora", arguments) == message.replace("{tmp}", str(valid_inputs))
+    assert not (valid_inputs / "out").exists()
+
+
 def test_the_valid_inputs_pass(repo_root, valid_inputs):
     """The guard of the table above: its valid arguments parse, so each case fails on its own argument."""
     sft = load_recipe(repo_root, "sft_lora").make_parser().parse_args_and_config(
@@ -265,6 +303,10 @@ def test_the_valid_inputs_pass(repo_root, valid_inputs):
          "--tokenizer_name_or_path", str(valid_inputs / "tokenizer"), "--output_dir", str(valid_inputs / "out"),
          "--val_split", "0.25", "--resume_from_checkpoint", "latest"])
     assert sft[1].model_name_or_path == str(valid_inputs / "model")
+    hub_style = load_recipe(repo_root, "sft_lora").make_parser().parse_args_and_config(
+        ["--model_name_or_path", str(valid_inputs / "model"), "--dataset_name", str(valid_inputs / "hub_style"),
+         "--dataset_test_split", "test", "--output_dir", str(valid_inputs / "out")])
+    assert hub_style[0].dataset_test_split == "test" and hub_style[2].eval_on_start
     # `latest` with no checkpoint yet is a fresh run, resolved before the step-0 evaluation is decided
     assert sft[2].resume_from_checkpoint is None and sft[2].eval_on_start
     pretrain = load_recipe(repo_root, "pretrain").make_parser().parse_args_and_config(

@@ -21,6 +21,22 @@ GOOD = [
           {"role": "assistant", "content": "4"}]),
 ]
 U, A = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+T = {"role": "tool", "content": "3"}
+
+
+def call(arguments) -> dict:
+    """An assistant message calling `add` with `arguments` (an object or its JSON string)."""
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": arguments}}]}
+
+
+CALL = call({"a": 1, "b": 2})
+
+
+def record(**fields) -> bytes:
+    """A JSONL line of a user-assistant record with `fields` set (None: left out)."""
+    obj = {key: value for key, value in {"messages": [U, A], **fields}.items() if value is not None}
+    return json.dumps(obj).encode() + b"\n"
 
 # (case, bad line, reason fragment, counter); `gemma3` cases need that template
 BAD = [
@@ -32,7 +48,7 @@ BAD = [
     ("message not an object", line(["hi", A]), "message 0 is a str", "malformed"),
     ("unknown role", line([U, {"role": "bot", "content": "x"}]), "message 1 has role 'bot'", "malformed"),
     ("missing role", line([{"content": "x"}, A]), "message 0 has role None", "malformed"),
-    ("unsupported key", line([U, {**A, "tool_calls": []}]), "unsupported keys ['tool_calls']", "malformed"),
+    ("unsupported key", line([U, {**A, "weight": 1}]), "unsupported keys ['weight']", "malformed"),
     ("content not a string", line([U, {"role": "assistant", "content": None}]), "content is NoneType", "malformed"),
     ("empty content", line([{"role": "user", "content": ""}, A]), "message 0 (user) has empty content", "malformed"),
     ("blank content", line([U, {"role": "assistant", "content": " \n"}]), "(assistant) has empty content",
@@ -43,6 +59,33 @@ BAD = [
     ("not UTF-8", b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n', "not valid UTF-8", "malformed"),
     ("special token in content", line([U, {"role": "assistant", "content": "ok<|im_end|>"}]),
      "special token text '<|im_end|>'", "malformed"),
+    ("empty tool_calls", line([U, {**A, "tool_calls": []}]), "message 1 tool_calls must be a non-empty list",
+     "malformed"),
+    ("tool call not in OpenAI's shape", line([U, {**CALL, "tool_calls": [{"name": "add", "arguments": {}}]}, T, A]),
+     "message 1 tool_calls[0] has keys ['arguments', 'name']; expected OpenAI's shape", "malformed"),
+    ("tool call arguments not JSON", line([U, call('{"a": 1'), T, A]), "tool_calls[0] arguments are not JSON",
+     "malformed"),
+    ("tool call arguments not an object", line([U, call("[1, 2]"), T, A]),
+     "tool_calls[0] arguments are a list; expected an object", "malformed"),
+    ("tool result answering no call", line([U, A, T, A]), "message 2 is a tool result, but message 1 is neither",
+     "malformed"),
+    ("reasoning on a user message", line([{**U, "reasoning_content": "hm"}, A]),
+     "message 0 (user) has 'reasoning_content', which only assistant messages carry", "malformed"),
+    ("training not a boolean", line([U, {**A, "training": "no"}]), "message 1 training is 'no'; expected true or false",
+     "malformed"),
+    ("every reply out of the loss", line([U, {**A, "training": False}]),
+     "every assistant message has training: false", "no_assistant"),
+    ("tools not a list", record(tools='{"type": "function"}'), "'tools' must be a list of JSON-schema objects",
+     "malformed"),
+    ("tools not JSON", record(tools="[{"), "'tools' is a string but not JSON", "malformed"),
+    ("ShareGPT role unknown", record(conversations=[{"from": "bot", "value": "x"}, {"from": "gpt", "value": "y"}],
+                                     messages=None), "message 0 has role 'bot'", "malformed"),
+    ("prompt text, completion messages", record(prompt="Hi", completion=[A], messages=None),
+     "expected prompt and completion both strings, or both non-empty lists of messages", "malformed"),
+    ("developer role the template drops", line([{"role": "developer", "content": "Be brief."}, U, A]),
+     "the chat template does not render 'developer' messages", "malformed"),
+    ("special token in tool-call arguments", line([U, call({"x": "<|im_end|>"}), T, A]),
+     "message 1 contains the special token text '<|im_end|>'", "malformed"),
 ]
 
 
@@ -133,7 +176,7 @@ def test_val_split_is_disjoint_seeded_and_exclusive_with_eval_file(tmp_path, qwe
     assert first.provenance == again.provenance
     assert first.provenance["eval_records_sha256"] != other.provenance["eval_records_sha256"]
     assert first.provenance["split_seed"] == 3
-    with pytest.raises(ValueError, match="either eval_file or val_split"):
+    with pytest.raises(ValueError, match="either eval_file or val_split, not both"):
         load_sft_data(qwen3, data, val_split=0.25, eval_file=data)
 
 
@@ -144,5 +187,5 @@ def test_recipe_stops_before_loading_the_model(tmp_path, assets, sft_recipe):
     with pytest.raises(InvalidChatRecord, match=rf"^{data}:2: message 1 has role 'bot'"):
         sft_recipe.build_trainer(script, SFTLoRAConfig(output_dir=str(tmp_path / "out")), model)
     asked_to_evaluate = SFTLoRAConfig(output_dir=str(tmp_path), eval_strategy="steps")
-    with pytest.raises(ValueError, match="needs --eval_file or --val_split"):
+    with pytest.raises(ValueError, match="needs --dataset_test_split, --val_split or --eval_file"):
         sft_recipe.build_trainer(sft_recipe.SFTScriptArguments(train_file=str(data)), asked_to_evaluate, model)

@@ -16,8 +16,9 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data import inspect as inspect_cli
-from hfl3.data.chat import ChatDataStats, ChatRecord, validate_messages, write_chat_jsonl
-from hfl3.data.masks import AssistantMasker, encode_records
+from hfl3.data.chat import SFTDataError, normalize_record, write_chat_jsonl
+from hfl3.data.masks import AssistantMasker
+from hfl3.data.sft import load_sft_data
 from hfl3.data.stdlib import stdlib_docstring_chats, stdlib_docstring_functions
 from hfl3.tokenization import train_tokenizer
 
@@ -150,26 +151,26 @@ def test_qwen3_masks_agree_with_trl(tokenizers, name, messages):
 
 
 @pytest.mark.parametrize("template", TEMPLATES)
-def test_truncation_keeps_the_start_then_drops_rows_without_supervision(tokenizers, template):
+def test_truncation_keeps_the_start_then_drops_rows_without_supervision(tokenizers, template, tmp_path):
     tokenizer = tokenizers[template]
-    masker = AssistantMasker(tokenizer)
     messages = chat("Hi", "Hello there, friend!", "And now a long answer please.", "word " * 40)
-    full = masker.encode(messages)
+    full = AssistantMasker(tokenizer).encode(messages)
     first_reply_end = full.spans[0][1]
     cut_in_second_reply = next(i for i, (s, _) in enumerate(full.offsets) if s >= full.spans[1][0]) + 5
     prompt_only = next(i for i, (s, _) in enumerate(full.offsets) if s >= full.spans[0][0])
-    records = [ChatRecord(f"t:{i}", messages) for i in range(2)]
-    for max_length, kept in [(cut_in_second_reply, 1), (prompt_only, 0), (len(full.input_ids), 1)]:
-        stats = ChatDataStats()
-        kept_records, ids, labels = encode_records(records, masker, max_length, stats=stats)
-        assert (stats.kept, stats.dropped_after_truncation) == (2 * kept, 2 * (1 - kept))
-        if kept:
-            assert ids[0] == full.input_ids[:max_length] and labels[0] == full.labels[:max_length]
-            assert stats.truncated == (2 if max_length < len(full.input_ids) else 0)
-            assert stats.supervised_tokens == 2 * sum(label != -100 for label in labels[0][1:])
-            runs = supervised_runs(tokenizer, ids[0], labels[0])
-            expected = expected_replies(template, messages)
-            assert runs[0] == expected[0] and expected[1].startswith(runs[-1])
+    data = write_chat_jsonl([{"messages": list(messages)}], tmp_path / "chat.jsonl")
+    for max_length in (cut_in_second_reply, len(full.input_ids)):
+        result = load_sft_data(tokenizer, data, max_length=max_length, cache_dir=str(tmp_path / "cache"))
+        stats, [row] = result.stats["train_file"], result.train
+        assert (stats.kept, stats.dropped_after_truncation) == (1, 0)
+        assert row["input_ids"] == full.input_ids[:max_length] and row["labels"] == full.labels[:max_length]
+        assert stats.truncated == (max_length < len(full.input_ids))
+        assert stats.supervised_tokens == sum(label != -100 for label in row["labels"][1:])
+        runs = supervised_runs(tokenizer, row["input_ids"], row["labels"])
+        expected = expected_replies(template, messages)
+        assert runs[0] == expected[0] and expected[1].startswith(runs[-1])
+    with pytest.raises(SFTDataError, match="no usable conversation left .*'dropped_after_truncation': 1"):
+        load_sft_data(tokenizer, data, max_length=prompt_only, cache_dir=str(tmp_path / "cache"))
     assert full.offsets[prompt_only - 1][1] <= first_reply_end
 
 
@@ -238,7 +239,7 @@ def test_inspect_marks_exactly_the_supervised_text(tmp_path, capsys, monkeypatch
     tokenizer = str(assets / "tokenizers" / "qwen3")
     assert inspect_cli.main(["--tokenizer", tokenizer, "--data", str(data), "--n", "5", "--plain"]) == 0
     out = capsys.readouterr().out
-    assert out.count("=== ") == 1  # the invalid record is not shown
+    assert out.count("=== ") == 2 and f"=== {data}:2: 'messages' must be a non-empty list" in out  # with its reason
     assert re.findall(r"\[\[(.*?)\]\]", out, flags=re.S) == expected_replies("qwen3", messages)
     inspect_cli.main(["--tokenizer", tokenizer, "--data", str(data), "--plain", "--max_length", "12"])
     out = capsys.readouterr().out
@@ -258,7 +259,7 @@ def test_stdlib_docstring_chats_are_real_deterministic_and_maskable(tokenizers):
     assert len({c["source"] for c in chats}) == 40
     masker = AssistantMasker(tokenizers["l3gpt"])
     for chat_ in chats:
-        messages = validate_messages(chat_, chat_["source"])
+        messages = normalize_record(chat_, chat_["source"]).messages
         module_name, _, function_name = chat_["source"].removeprefix("stdlib:").rpartition(".")
         function = getattr(importlib.import_module(module_name), function_name)
         question, answer = messages[-2]["content"], messages[-1]["content"]

@@ -335,6 +335,15 @@ def test_max_length_beyond_the_trained_positions_is_warned(tmp_path, l3gpt_folde
     assert ("exceeds the base model's max_position_embeddings 128" in caplog.text) == warned
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_finished_rows_skip_trls_preparation_unless_packed(tmp_path, tokenizers, packing):
+    trainer, data = make_trainer(tmp_path, tokenizers["l3gpt"], tiny_l3gpt, packing)
+    # unpacked, TRL would truncate the truncated rows again and keep every one of them: two copies for nothing
+    assert (trainer.train_dataset is data.train) != packing and (trainer.eval_dataset is data.eval) != packing
+    assert trainer.args.dataset_kwargs == (None if packing else {"skip_prepare_dataset": True})
+    assert ("seq_lengths" in trainer.train_dataset.column_names) == packing  # TRL's packing ran
+
+
 def test_datasets_without_labels_are_refused(tmp_path, tokenizers):
     rows = Dataset.from_dict({"input_ids": [[1, 2, 3]]})
     args = SFTLoRAConfig(output_dir=str(tmp_path), eval_strategy="no", load_best_model_at_end=False)
@@ -364,7 +373,7 @@ def test_the_plainest_command_trains_without_evaluation(tmp_path, l3gpt_folder, 
     train = write_chat_jsonl(chats("good", 8, seed=0), tmp_path / "train.jsonl")
     results, args = run_recipe(sft_recipe, caplog, "--model_name_or_path", str(l3gpt_folder), "--train_file",
                                str(train), "--output_dir", str(tmp_path / "out"), "--num_train_epochs", "1")
-    assert "no --eval_file or --val_split: training without evaluation" in caplog.text
+    assert "no --dataset_test_split, --val_split or --eval_file: training without evaluation" in caplog.text
     assert (args.eval_strategy, args.load_best_model_at_end, args.eval_on_start) == ("no", False, False)
     assert results["global_step"] == 1 and results["train_loss"] > 0 and "eval_loss" not in results
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()

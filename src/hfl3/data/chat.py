@@ -1,59 +1,90 @@
-"""Chat JSONL files: read and validate them (`read_chat_jsonl`), with the reason and `file:line` of every bad record
-(`InvalidChatRecord`) and counts of what was read, skipped and kept (`ChatDataStats`); and write them
+"""Chat records in every format hfl3 trains on, each validated and normalized on its own (`normalize_record`), with the
+reason and place (`file:line`, or a dataset's row) of every bad record (`InvalidChatRecord`) and counts of what was
+read, skipped and kept (`ChatDataStats`); JSONL files read line by line (`iter_jsonl`, `read_chat_jsonl`) and written
 (`write_chat_jsonl`).
 
-Input: one JSON object per line, `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}`
-(other top-level keys such as `id` are ignored). Every line is validated; a bad line stops the run with
-`file:line: reason` or, with `skip_invalid_records=True`, is skipped and counted (`ChatDataStats`). A UTF-8 byte
-order mark at the start of a line is dropped (files concatenated from BOM-prefixed ones have one on several lines).
-Records with the same messages as an earlier one are dropped and counted (`messages_sha256`,
-`hfl3.data.masks.encode_records`).
+Formats, one record each, with TRL's field names:
+- conversational: `{"messages": [...]}`; ShareGPT's `{"conversations": [{"from": ..., "value": ...}]}` is mapped to
+  it with axolotl's default role names (`human` → `user`, `gpt` → `assistant`) and counted
+  (`ChatDataStats.sharegpt`);
+- prompt–completion with message lists, `{"prompt": [...], "completion": [...]}`: one conversation whose loss is on
+  the completion only (the prompt's assistant messages get `training: false`);
+- prompt–completion with strings, `{"prompt": "...", "completion": "..."}`: plain text as TRL tokenizes it, without a
+  chat template, the tokenizer's EOS token appended (`TextRecord`);
+- any of them with `tools`: a list of JSON-schema tool definitions, or a JSON string of one (as Hub datasets store
+  it: Arrow holds one type per column), passed to the chat template.
+
+Messages: `role` is `system`, `developer`, `user`, `assistant` or `tool`; `content` a string. An assistant message may
+carry `tool_calls` (OpenAI's shape: `[{"type": "function", "id": ..., "function": {"name": ..., "arguments": ...}}]`,
+`arguments` an object or a JSON string of one, which is parsed so that every template renders an object) with
+`content` empty or null, `reasoning_content` (a string) and `training: false` (axolotl's name: the turn stays in the
+context but out of the loss). A tool message answers the tool calls before it and may carry `tool_call_id` and `name`.
+A key whose value is null counts as absent (Arrow gives every row of a struct column every key). A conversation opens
+with a user message (after optional system/developer messages) and ends with an assistant message.
+
+Other top-level keys (`id`, `source`, ...) are ignored. A UTF-8 byte order mark at the start of a line is dropped (files
+concatenated from BOM-prefixed ones have one on several lines).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hfl3.atomic import atomic_path
 
-ROLES = ("system", "user", "assistant")
-MESSAGE_KEYS = frozenset({"role", "content"})
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name", "training")
+# axolotl's default role names for ShareGPT data (its `roles` of the chat_template dataset type); TRL's
+# `maybe_convert_to_chatml` renames the keys only
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+TOOL_CALL_KEYS = ("type", "id", "function")
 MAX_LOGGED_ERRORS = 10
 BOM = b"\xef\xbb\xbf"
 
 
 class InvalidChatRecord(ValueError):
     """A chat record that cannot be trained on. `str(error)` is `"{where}: {reason}"`; `kind` is `"malformed"`,
-    `"no_assistant"` or `"duplicates"` (the `ChatDataStats` counter a skipped record goes to)."""
+    `"no_assistant"` or `"duplicates"` (the `ChatDataStats` counter a skipped record goes to). Picklable, so that
+    worker processes can hand it back."""
 
     def __init__(self, where: str, reason: str, kind: str = "malformed"):
         super().__init__(f"{where}: {reason}")
         self.where, self.reason, self.kind = where, reason, kind
 
+    def __reduce__(self):
+        return type(self), (self.where, self.reason, self.kind)
+
+
+class SFTDataError(ValueError):
+    """The data as a whole cannot be trained on (no usable record left): one line naming the source and its counts."""
+
 
 @dataclass
 class ChatDataStats:
-    """Counts of one data file (or one list of records) through reading, masking and truncation.
+    """Counts of one data source (a file or a dataset split) through reading, masking and truncation.
 
     Fields:
-        read: non-blank lines (records) seen.
-        malformed: records skipped as invalid (bad JSON or UTF-8, bad structure, template refusal, ...).
-        no_assistant: records skipped because no message has role `assistant`.
-        duplicates: records dropped because their messages equal those of an earlier kept record (in the same file,
-            or, for an evaluation file, in the training file; `hfl3.data.masks.encode_records`).
+        read: records seen (non-blank lines of a file, rows of a dataset).
+        malformed: records skipped as invalid (bad JSON or UTF-8, bad structure, what the chat template refuses or
+            cannot render, ...).
+        no_assistant: records skipped because no assistant message is left to train on.
+        duplicates: records dropped because they equal an earlier kept record (in the same source, or, for
+            evaluation data, in the training data).
         dropped_after_truncation: records whose supervised tokens all fell beyond `max_length`.
         kept: records that became training rows;
             `read = malformed + no_assistant + duplicates + dropped_after_truncation + kept`.
         truncated: kept rows that were cut to `max_length`.
         tokens: tokens in the kept rows (after truncation).
-        supervised_tokens: tokens with a label in the kept rows (`labels != -100`).
-        first_errors: the first `MAX_LOGGED_ERRORS` skip reasons, as `file:line: reason`.
+        supervised_tokens: tokens with a label in the kept rows (`labels != -100`, position 0 aside).
+        sharegpt: kept records mapped from ShareGPT's `conversations` / `from` / `value`.
+        reasoning_not_rendered: assistant messages of kept records whose `reasoning_content` the chat template did
+            not render (its history rules, or no support): not trained on.
+        first_errors: the first `MAX_LOGGED_ERRORS` skip reasons, as `where: reason`.
     """
 
     read: int = 0
@@ -65,6 +96,8 @@ class ChatDataStats:
     truncated: int = 0
     tokens: int = 0
     supervised_tokens: int = 0
+    sharegpt: int = 0
+    reasoning_not_rendered: int = 0
     first_errors: list[str] = field(default_factory=list)
 
     def count_skip(self, error: InvalidChatRecord) -> None:
@@ -79,72 +112,231 @@ class ChatDataStats:
 
 @dataclass(frozen=True)
 class ChatRecord:
-    """A validated conversation: `messages` holds only `role` and `content`; `where` is `file:line`."""
+    """A validated conversation: `messages` (dicts with the keys of `MESSAGE_KEYS` that are set; `training` only where
+    false), `tools` (JSON-schema dicts, or None), `where` (`file:line` or a dataset's row), `sharegpt` (mapped from
+    ShareGPT)."""
 
     where: str
     messages: tuple[dict, ...]
+    tools: tuple[dict, ...] | None = None
+    sharegpt: bool = False
+
+    def canonical(self) -> list | dict:
+        """What provenance hashes and duplicates compare: the messages, with the tools when there are some."""
+        return {"messages": list(self.messages), "tools": list(self.tools)} if self.tools else list(self.messages)
 
 
-def validate_messages(obj: object, where: str) -> tuple[dict, ...]:
-    """Check one decoded JSON record and return its messages as `{"role", "content"}` dicts.
+@dataclass(frozen=True)
+class TextRecord:
+    """A plain-text prompt–completion record (no chat template): the loss is on `completion` and the EOS token."""
+
+    where: str
+    prompt: str
+    completion: str
+
+    def canonical(self) -> dict:
+        return {"prompt": self.prompt, "completion": self.completion}
+
+
+def normalize_record(obj: object, where: str) -> ChatRecord | TextRecord:
+    """Validate one decoded record in any supported format (module docstring) and normalize it.
 
     Raises:
-        InvalidChatRecord: naming `where` and the fix, for a record that is not an object, has no `messages` list,
-            a message that is not an object, has unsupported keys, an unknown role, non-string or blank content;
-            `kind="no_assistant"` when no message is from the assistant; when the first message after the optional
-            system prompt is not the user's (chat templates and the masks expect a reply to follow a user turn);
-            and when the conversation does not end with an assistant message (trailing turns would never be
-            trained on).
+        InvalidChatRecord: naming `where`, the message and the fix, for a record that is not an object or has none of
+            the formats' fields; a message that is not an object, has unsupported keys, an unknown role, non-string
+            or blank content, misplaced or malformed `tool_calls` / `reasoning_content` / `tool_call_id` / `name` /
+            `training`; `tools` that are not a list of objects (or its JSON); `kind="no_assistant"` when no assistant
+            message is trained on; a conversation that does not open with the user (after system/developer
+            messages) or does not end with an assistant message, or a tool message that answers no tool call.
     """
     if not isinstance(obj, dict):
         raise InvalidChatRecord(where, f"expected a JSON object with a 'messages' list, got {type(obj).__name__}")
-    messages = obj.get("messages")
-    if messages is None:
-        raise InvalidChatRecord(where, f"no 'messages' field (keys: {sorted(obj)}); expected {{\"messages\": [...]}}")
+    tools = _tools(obj.get("tools"), where)
+    if obj.get("messages") is not None:
+        return ChatRecord(where, _conversation(obj["messages"], where), tools)
+    if obj.get("conversations") is not None:
+        return ChatRecord(where, _conversation(_from_sharegpt(obj["conversations"], where), where), tools, True)
+    prompt, completion = obj.get("prompt"), obj.get("completion")
+    if prompt is not None and completion is not None:
+        if isinstance(prompt, str) and isinstance(completion, str):
+            if tools:
+                raise InvalidChatRecord(where, "'tools' need a conversation; plain-text prompt/completion has none")
+            for name, text in (("prompt", prompt), ("completion", completion)):
+                if not text.strip():
+                    raise InvalidChatRecord(where, f"'{name}' is empty")
+            return TextRecord(where, prompt, completion)
+        for name, value in (("prompt", prompt), ("completion", completion)):
+            if not isinstance(value, list) or not value:
+                raise InvalidChatRecord(where, f"'{name}' is a {type(value).__name__}; expected prompt and completion "
+                                               "both strings, or both non-empty lists of messages")
+        prompt = [{**m, "training": False} if isinstance(m, dict) and m.get("role") == "assistant" else m
+                  for m in prompt]
+        return ChatRecord(where, _conversation(prompt + completion, where, completion_from=len(prompt)), tools)
+    raise InvalidChatRecord(
+        where, f"no 'messages' field (keys: {sorted(obj)}); expected {{\"messages\": [...]}}, ShareGPT's "
+               "{\"conversations\": [...]}, or {\"prompt\": ..., \"completion\": ...}")
+
+
+def _tools(tools, where: str) -> tuple[dict, ...] | None:
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise InvalidChatRecord(where, f"'tools' is a string but not JSON ({error.msg} at column {error.colno})"
+                                    ) from None
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise InvalidChatRecord(where, "'tools' must be a list of JSON-schema objects (or a JSON string of one)")
+    return tuple(tools)
+
+
+def _from_sharegpt(conversations, where: str) -> list:
+    if not isinstance(conversations, list) or not conversations:
+        raise InvalidChatRecord(where, "'conversations' must be a non-empty list of {\"from\", \"value\"} objects")
+    messages = []
+    for index, turn in enumerate(conversations):
+        if not isinstance(turn, dict):
+            raise InvalidChatRecord(where, f"message {index} is a {type(turn).__name__}; expected an object")
+        message = {key: value for key, value in turn.items() if key not in ("from", "value")}
+        if turn.get("from") is not None:
+            message["role"] = SHAREGPT_ROLES.get(turn["from"], turn["from"])
+        if turn.get("value") is not None:
+            message["content"] = turn["value"]
+        messages.append(message)
+    return messages
+
+
+def _conversation(messages, where: str, completion_from: int = 0) -> tuple[dict, ...]:
     if not isinstance(messages, list) or not messages:
         raise InvalidChatRecord(where, "'messages' must be a non-empty list of {\"role\", \"content\"} objects")
-    clean = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidChatRecord(where, f"message {index} is a {type(message).__name__}; expected an object")
-        extra = set(message) - MESSAGE_KEYS
-        if extra:
-            raise InvalidChatRecord(
-                where, f"message {index} has unsupported keys {sorted(extra)}; only 'role' and 'content' are used"
-            )
-        role = message.get("role")
-        if role not in ROLES:
-            raise InvalidChatRecord(where, f"message {index} has role {role!r}; expected one of {'/'.join(ROLES)}")
-        content = message.get("content")
-        if not isinstance(content, str):
-            raise InvalidChatRecord(
-                where, f"message {index} content is {type(content).__name__}; expected a string"
-            )
-        if not content.strip():
-            raise InvalidChatRecord(where, f"message {index} ({role}) has empty content")
-        clean.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in clean):
-        raise InvalidChatRecord(where, "no assistant message; nothing to train on", kind="no_assistant")
-    opening = next(i for i, m in enumerate(clean) if m["role"] != "system")
-    if clean[opening]["role"] != "user":
+    clean = [_message(message, index, where) for index, message in enumerate(messages)]
+    roles = [m["role"] for m in clean]
+    if not any(role == "assistant" and m.get("training", True) for role, m in zip(roles, clean)):
+        reason = "no assistant message; nothing to train on" if "assistant" not in roles[completion_from:] else \
+            "every assistant message has training: false; nothing to train on"
+        raise InvalidChatRecord(where, reason, kind="no_assistant")
+    opening = next(i for i, role in enumerate(roles) if role not in ("system", "developer"))
+    if roles[opening] != "user":
         raise InvalidChatRecord(
             where,
-            f"message {opening} is from the {clean[opening]['role']}, but a conversation starts with a user message "
-            "(after an optional system message): add the user turn it answers, or fold it into the system prompt",
+            f"message {opening} is from the {roles[opening]}, but a conversation starts with a user message "
+            "(after optional system messages): add the user turn it answers, or fold it into the system prompt",
         )
-    if clean[-1]["role"] != "assistant":
+    if roles[-1] != "assistant":
         raise InvalidChatRecord(
             where,
-            f"conversation ends with a {clean[-1]['role']!r} message; the last message must be the assistant's "
+            f"conversation ends with a {roles[-1]!r} message; the last message must be the assistant's "
             "reply (drop the trailing turns)",
         )
+    for index, role in enumerate(roles):
+        if role == "tool" and not (roles[index - 1] == "tool" or clean[index - 1].get("tool_calls")):
+            raise InvalidChatRecord(where, f"message {index} is a tool result, but message {index - 1} is neither an "
+                                           "assistant message with tool_calls nor another tool result")
     return tuple(clean)
+
+
+def _message(message, index: int, where: str) -> dict:
+    if not isinstance(message, dict):
+        raise InvalidChatRecord(where, f"message {index} is a {type(message).__name__}; expected an object")
+    message = {key: value for key, value in message.items() if value is not None}
+    extra = set(message) - set(MESSAGE_KEYS)
+    if extra:
+        raise InvalidChatRecord(where, f"message {index} has unsupported keys {sorted(extra)}; expected "
+                                       f"{', '.join(MESSAGE_KEYS)}")
+    role = message.get("role")
+    if role not in ROLES:
+        raise InvalidChatRecord(where, f"message {index} has role {role!r}; expected one of {'/'.join(ROLES)}")
+    for key, roles in (("reasoning_content", ("assistant",)), ("tool_calls", ("assistant",)),
+                       ("training", ("assistant",)), ("tool_call_id", ("tool",)), ("name", ("tool",))):
+        if key in message and role not in roles:
+            raise InvalidChatRecord(where, f"message {index} ({role}) has '{key}', which only {roles[0]} messages "
+                                           "carry")
+    if "tool_calls" in message:
+        message["tool_calls"] = _tool_calls(message["tool_calls"], index, where)
+        message.setdefault("content", "")
+    content = message.get("content")
+    if not isinstance(content, str):
+        raise InvalidChatRecord(where, f"message {index} content is {type(content).__name__}; expected a string")
+    if not content.strip() and "tool_calls" not in message:
+        raise InvalidChatRecord(where, f"message {index} ({role}) has empty content")
+    for key in ("reasoning_content", "tool_call_id", "name"):
+        if key in message and not isinstance(message[key], str):
+            raise InvalidChatRecord(where, f"message {index} {key} is {type(message[key]).__name__}; expected a "
+                                           "string")
+    if "training" in message:
+        if not isinstance(message["training"], bool):
+            raise InvalidChatRecord(where, f"message {index} training is {message['training']!r}; expected true or "
+                                           "false")
+        if message["training"]:
+            del message["training"]  # the default: only `false` is kept
+    return {key: message[key] for key in MESSAGE_KEYS if key in message}
+
+
+def _tool_calls(calls, index: int, where: str) -> list[dict]:
+    if not isinstance(calls, list) or not calls:
+        raise InvalidChatRecord(where, f"message {index} tool_calls must be a non-empty list")
+    clean = []
+    for number, call in enumerate(calls):
+        place = f"message {index} tool_calls[{number}]"
+        if not isinstance(call, dict):
+            raise InvalidChatRecord(where, f"{place} is a {type(call).__name__}; expected an object")
+        call = {key: value for key, value in call.items() if value is not None}
+        function = call.get("function")
+        if set(call) - set(TOOL_CALL_KEYS) or not isinstance(function, dict) or call.get("type", "function") != \
+                "function":
+            raise InvalidChatRecord(where, f"{place} has keys {sorted(call)}; expected OpenAI's shape "
+                                           "{\"type\": \"function\", \"id\": ..., \"function\": {\"name\", "
+                                           "\"arguments\"}}")
+        name, arguments = function.get("name"), function.get("arguments", {})
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidChatRecord(where, f"{place} has no function name")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as error:
+                raise InvalidChatRecord(where, f"{place} arguments are not JSON ({error.msg} at column "
+                                               f"{error.colno})") from None
+        if not isinstance(arguments, dict):
+            raise InvalidChatRecord(where, f"{place} arguments are a {type(arguments).__name__}; expected an object")
+        clean.append({**call, "function": {**function, "arguments": arguments}})
+    return clean
+
+
+def iter_jsonl(path: str | os.PathLike, start: int = 0, stop: int | None = None, first_line: int = 1,
+               name: str | None = None) -> Iterator[tuple[str, object]]:
+    """`(where, decoded object or InvalidChatRecord)` for each non-blank line of a JSONL file, read in order from byte
+    `start` (a line start, numbered `first_line`) up to the line that starts at or after byte `stop`. Blank lines
+    are skipped; a UTF-8 BOM starting a line is dropped. `where` is `NAME:LINE` (`name` defaults to the path)."""
+    name = str(path) if name is None else name
+    with open(path, "rb") as f:
+        f.seek(start)
+        position, line_number = start, first_line
+        for raw in f:
+            if stop is not None and position >= stop:
+                return
+            position += len(raw)
+            where, line_number = f"{name}:{line_number}", line_number + 1
+            if raw.startswith(BOM):
+                raw = raw[len(BOM) :]
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield where, InvalidChatRecord(
+                    where, f"not valid UTF-8 ({error.reason} at byte {error.start}); re-encode the file as UTF-8")
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as error:
+                yield where, InvalidChatRecord(where, f"malformed JSON ({error.msg} at column {error.colno})")
 
 
 def read_chat_jsonl(
     path: str | os.PathLike, *, skip_invalid_records: bool = False, stats: ChatDataStats | None = None
-) -> list[ChatRecord]:
-    """Read and validate a chat JSONL file. Blank lines are ignored; a UTF-8 BOM starting a line is dropped.
+) -> list[ChatRecord | TextRecord]:
+    """Read and validate a (small) chat JSONL file into a list; `hfl3.data.sft.load_sft_data` streams large ones.
 
     Args:
         path: the file.
@@ -153,41 +345,21 @@ def read_chat_jsonl(
 
     Raises:
         InvalidChatRecord: `file:line: reason` for the first bad line (non-UTF-8 bytes, malformed JSON, or any
-            `validate_messages` failure), unless `skip_invalid_records`.
+            `normalize_record` failure), unless `skip_invalid_records`.
     """
     stats = stats if stats is not None else ChatDataStats()
     records = []
-    with open(path, "rb") as f:
-        for line_number, raw in enumerate(f, start=1):
-            if raw.startswith(BOM):
-                raw = raw[len(BOM) :]
-            if not raw.strip():
-                continue
-            stats.read += 1
-            where = f"{path}:{line_number}"
-            try:
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as error:
-                    raise InvalidChatRecord(
-                        where, f"not valid UTF-8 ({error.reason} at byte {error.start}); re-encode the file as UTF-8"
-                    ) from None
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise InvalidChatRecord(where, f"malformed JSON ({error.msg} at column {error.colno})") from None
-                records.append(ChatRecord(where, validate_messages(obj, where)))
-            except InvalidChatRecord as error:
-                if not skip_invalid_records:
-                    raise
-                stats.count_skip(error)
+    for where, obj in iter_jsonl(path):
+        stats.read += 1
+        try:
+            if isinstance(obj, InvalidChatRecord):
+                raise obj
+            records.append(normalize_record(obj, where))
+        except InvalidChatRecord as error:
+            if not skip_invalid_records:
+                raise
+            stats.count_skip(error)
     return records
-
-
-def messages_sha256(messages) -> bytes:
-    """32-byte digest of a conversation's messages (roles and contents, exactly): records with equal digests are
-    duplicates (`ChatDataStats.duplicates`)."""
-    return hashlib.sha256(json.dumps(list(messages), ensure_ascii=False).encode("utf-8")).digest()
 
 
 def write_chat_jsonl(chats: Iterable[dict], path: str | os.PathLike) -> Path:

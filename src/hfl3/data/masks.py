@@ -1,52 +1,95 @@
-"""Assistant-only labels for chat conversations, from the model's own chat template (docs/design.md, decision 9).
+"""Assistant-only labels for chat records, from the model's own chat template (docs/design.md, decision 9).
 
 Masks come from the template without `{% generation %}` markers (`AssistantMasker`):
 
-1. Render the whole conversation once: `text`. This is what the model trains on, with the template's own
-   history rules (Qwen3 keeps the empty `<think>` block only on assistant turns after the last user message; Gemma
-   folds the system prompt into the first user turn).
-2. For each assistant message i, render `messages[:i]` with `add_generation_prompt=True`: its length is where the
-   reply starts, because it ends with the role header (`<|im_start|>assistant\\n`, `<start_of_turn>model\\n`). A
-   template that does not render that prefix identically inside `text` is reported, never guessed around.
-3. The reply ends with the template's end-of-turn text (`<|im_end|>`, `<end_of_turn>`), found once by rendering a
-   probe conversation; it is inside the mask, the newline the template writes after it is not (generation stops at
-   the end-of-turn token, so the model never produces that newline). Contents may not contain special-token text,
-   so the first end-of-turn after the header closes the reply.
-4. Tokenize `text` with offsets (`add_special_tokens=False`: templates write their own BOS); a token is
-   supervised when its characters overlap a reply span.
+1. Render the whole conversation once, with its `tools`: `text`. This is what the model trains on, with the
+   template's own history rules (Qwen3 keeps a `<think>` block only on assistant turns after the last user message,
+   so the reasoning of earlier turns is not in `text`; Gemma folds the system prompt into the first user turn).
+2. For each assistant message i that is trained on (not `training: false`), render `messages[:i]` with
+   `add_generation_prompt=True`: its length is where the reply starts, because it ends with the role header
+   (`<|im_start|>assistant\\n`, `<start_of_turn>model\\n`). A template that does not render that prefix identically
+   inside `text` is reported, never guessed around: the reply would be trained in a context the model never sees
+   when it generates it.
+3. The reply (its text, tool calls, and reasoning where the template keeps it) ends with the template's end-of-turn
+   text (`<|im_end|>`, `<end_of_turn>`), found once by rendering a probe conversation; it is inside the mask, the
+   newline the template writes after it is not (generation stops at the end-of-turn token, so the model never
+   produces that newline). No string of a record may contain special-token text, so the first end-of-turn after
+   the header closes the reply.
+4. Tokenize `text` with offsets (no special tokens added: templates write their own BOS); a token is supervised when
+   its characters overlap a reply span.
 
-Then each row is truncated to `max_length` (keep the start, like TRL) and dropped, counted, when no supervised
-token is left (`encode_records`).
+What a template cannot render is refused rather than trained without: probe conversations show whether it renders
+`developer` and `tool` messages, assistant `tool_calls` and `tools` (Gemma 3's stock template has none of them).
+Plain-text prompt–completion records (`TextRecord`) bypass the template: `prompt + completion + EOS` tokenized with
+the tokenizer's special tokens, the completion and EOS supervised, as TRL does for them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
-from jinja2 import TemplateError
+from tokenizers import Tokenizer
+from transformers.utils.chat_template_utils import render_jinja_template
 
-from hfl3.data.chat import ChatDataStats, ChatRecord, InvalidChatRecord, messages_sha256
+from hfl3.data.chat import ChatRecord, InvalidChatRecord, TextRecord
+from hfl3.provenance import sha256_records
+
+MARK = "hfl3-probe-8d1c"
+_BACKENDS: dict[str, Tokenizer] = {}
+"""Tokenizer backends of fingerprinted maskers, by fingerprint: a worker process forked afterwards (a `datasets` pool)
+inherits them, and unpickling a masker there takes the backend from here instead of rebuilding it (0.7 s for
+Qwen3's)."""
+
 
 @dataclass
 class EncodedChat:
-    """One conversation rendered and tokenized: `text` (the rendered template), `input_ids`, `labels` (the token id
-    where supervised, -100 elsewhere), `offsets` ((start, end) character span of each token in `text`) and `spans`
-    (supervised character ranges, one per assistant message). All lists have length `len(input_ids)`."""
+    """One record rendered and tokenized: `text` (the rendered template), `input_ids`, `labels` (the token id where
+    supervised, -100 elsewhere), `spans` (supervised character ranges, one per trained assistant message),
+    `reasoning_not_rendered` (assistant messages whose `reasoning_content` is not in `text`) and `offsets` ((start,
+    end) character span of each token in `text`, built on first use: the rows need none). The token lists have length
+    `len(input_ids)`."""
 
     text: str
     input_ids: list[int]
     labels: list[int]
-    offsets: list[tuple[int, int]]
+    encoding: object = field(repr=False)
     spans: list[tuple[int, int]]
+    reasoning_not_rendered: int = 0
+
+    @functools.cached_property
+    def offsets(self) -> list[tuple[int, int]]:
+        return self.encoding.offsets
+
+
+def _texts(value) -> Iterator[str]:
+    """Every string inside a JSON-like value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from _texts(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _texts(item)
 
 
 class AssistantMasker:
     """Assistant-only labels from a tokenizer's own chat template (see the module docstring for the method).
 
+    Holds what encoding needs and nothing else (the template, its variables, the `tokenizers` backend), so that it
+    pickles in a fraction of a second to `datasets` worker processes.
+
     Args:
         tokenizer: a fast tokenizer (offsets needed) with a chat template.
         chat_template: template text to use instead of `tokenizer.chat_template`.
+
+    Attributes:
+        end_of_turn: the text the template writes after a reply (`<|im_end|>`).
+        renders: what the template renders, by probe: `developer`, `tool` (messages of that role), `tool_calls`,
+            `tools`.
 
     Raises:
         ValueError: if the tokenizer has no template or no offsets, or the template renders a probe conversation
@@ -56,14 +99,18 @@ class AssistantMasker:
     PROBE = ({"role": "user", "content": "Ping?"}, {"role": "assistant", "content": "Pong."})
 
     def __init__(self, tokenizer, chat_template: str | None = None):
-        self.tokenizer = tokenizer
-        self.chat_template = chat_template
         if chat_template is None and not tokenizer.chat_template:
             raise ValueError(
                 f"{type(tokenizer).__name__} has no chat template; pass chat_template= or use a chat model"
             )
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("assistant masks need a fast (Rust `tokenizers`) tokenizer for character offsets")
+        # as apply_chat_template: a named "tool_use" template when there are tools, the special tokens as variables
+        self.template = tokenizer.get_chat_template(chat_template)
+        self.tool_template = tokenizer.get_chat_template(chat_template, tools=[])
+        self.variables = dict(tokenizer.special_tokens_map)
+        self.backend = tokenizer.backend_tokenizer
+        self.eos_token = tokenizer.eos_token
         full, prompt = self.render(self.PROBE), self.render(self.PROBE[:1], add_generation_prompt=True)
         tail = full[len(prompt) :] if full.startswith(prompt) else None
         reply = self.PROBE[1]["content"]
@@ -77,115 +124,163 @@ class AssistantMasker:
             )
         added = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
         self.special_texts = sorted({*added, *tokenizer.all_special_tokens, self.end_of_turn})
+        self.renders = self._probe()
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            list(messages),
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=self.chat_template,
-        )
+    def _probe(self) -> dict[str, bool]:
+        user, reply = self.PROBE
+        call = {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": MARK, "arguments": {"x": 1}}}]}
+        tool = {"type": "function", "function": {"name": MARK, "description": "d",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        probes = {"developer": ([{"role": "developer", "content": MARK}, user, reply], None),
+                  "tool": ([user, {**call, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+                            {"role": "tool", "content": MARK}, reply], None),
+                  "tool_calls": ([user, call], None),
+                  "tools": ([user, reply], [tool])}
+        renders = {}
+        for name, (messages, tools) in probes.items():
+            try:
+                renders[name] = MARK in self.render(messages, tools)
+            except Exception:  # noqa: BLE001 (a template refusing the probe does not render it)
+                renders[name] = False
+        return renders
 
-    def encode(self, messages: Sequence[dict], where: str = "<conversation>") -> EncodedChat:
-        """Render, tokenize and label one validated conversation (untruncated).
+    @functools.cached_property
+    def backend_json(self) -> str:
+        """The tokenizer backend as `tokenizer.json` holds it."""
+        return self.backend.to_str()
+
+    def fingerprint(self) -> str:
+        """sha256 of all that encoding depends on: the tokenizer (vocabulary, merges, normalizer, ...), the templates,
+        their variables, the special texts. Leaves the backend in `_BACKENDS` for the worker processes forked later."""
+        if "_fingerprint" not in self.__dict__:
+            self._fingerprint = sha256_records([self.backend_json, self.template, self.tool_template, self.variables,
+                                                self.special_texts, self.eos_token])
+            _BACKENDS[self._fingerprint] = self.backend
+        return self._fingerprint
+
+    def __getstate__(self) -> dict:
+        return {**{k: v for k, v in self.__dict__.items() if k != "backend"}, "backend_json": self.backend_json,
+                "backend_key": self.fingerprint()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        inherited = _BACKENDS.get(state["backend_key"])
+        self.backend = inherited if inherited is not None else Tokenizer.from_str(state["backend_json"])
+
+    def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+               add_generation_prompt: bool = False) -> str:
+        """The template's text for `messages`, exactly as `tokenizer.apply_chat_template(..., tokenize=False)`."""
+        rendered, _ = render_jinja_template(
+            conversations=[list(messages)], tools=list(tools) if tools else None,
+            chat_template=self.tool_template if tools else self.template,
+            add_generation_prompt=add_generation_prompt, **self.variables)
+        return rendered[0]
+
+    def check_renderable(self, record: ChatRecord) -> None:
+        """Refuse a record with special-token text in any string, or with what the template does not render.
 
         Raises:
-            InvalidChatRecord: a content contains special-token text (it would become a control token), the
-                template rejects the conversation (e.g. Gemma's alternation check), renders the prefix before an
-                assistant message differently from the full conversation, or writes no end-of-turn after a reply.
+            InvalidChatRecord: naming the message (or `tools`) and the special text, or what the template drops.
         """
-        for index, message in enumerate(messages):
-            for special in self.special_texts:
-                if special in message["content"]:
-                    raise InvalidChatRecord(
-                        where, f"message {index} contains the special token text {special!r}; remove it"
-                    )
+        places = [("'prompt'", record.prompt), ("'completion'", record.completion)] \
+            if isinstance(record, TextRecord) else \
+            [(f"message {i}", m) for i, m in enumerate(record.messages)] + [("'tools'", record.tools or ())]
+        texts = "\x00".join(text for _, value in places for text in _texts(value))  # \x00: no match across strings
+        for special in self.special_texts:
+            if special in texts:
+                place = next(place for place, value in places if special in "\x00".join(_texts(value)))
+                raise InvalidChatRecord(record.where, f"{place} contains the special token text {special!r}; remove it")
+        if isinstance(record, TextRecord):
+            return
+        needed = {role for role in ("developer", "tool") if any(m["role"] == role for m in record.messages)}
+        needed |= {"tool_calls"} if any("tool_calls" in m for m in record.messages) else set()
+        needed |= {"tools"} if record.tools else set()
+        missing = sorted(name for name in needed if not self.renders[name])
+        if missing:
+            what = {"developer": "'developer' messages", "tool": "'tool' messages", "tool_calls": "assistant "
+                    "'tool_calls'", "tools": "'tools'"}
+            dropped = ", ".join(what[name] for name in missing)
+            raise InvalidChatRecord(record.where, f"the chat template does not render {dropped}: they would be left "
+                                                  "out of training (use a template that has them, or drop them from "
+                                                  "the data)")
+
+    def encode(self, record: ChatRecord | TextRecord | Sequence[dict], where: str = "<conversation>") -> EncodedChat:
+        """Render, tokenize and label one validated record (untruncated); a bare message sequence is taken as a
+        `ChatRecord` at `where`.
+
+        Raises:
+            InvalidChatRecord: special-token text in any string, something the template does not render
+                (`check_renderable`), the template rejects the conversation (e.g. Gemma's alternation check) or
+                renders the prefix before a trained assistant message differently from the full conversation, or
+                writes no end-of-turn after a reply.
+        """
+        if not isinstance(record, (ChatRecord, TextRecord)):
+            record = ChatRecord(where, tuple(record))
+        self.check_renderable(record)
+        if isinstance(record, TextRecord):
+            return self._encode_text(record)
+        messages, tools, where = record.messages, record.tools, record.where
         try:
-            text = self.render(messages)
+            text = self.render(messages, tools)
             spans = []
             for index, message in enumerate(messages):
-                if message["role"] != "assistant":
+                if message["role"] != "assistant" or not message.get("training", True):
                     continue
-                prompt = self.render(messages[:index], add_generation_prompt=True)
+                prompt = self.render(messages[:index], tools, add_generation_prompt=True)
                 if not text.startswith(prompt):
+                    at = next((i for i, (a, b) in enumerate(zip(prompt, text)) if a != b), len(text))
                     raise InvalidChatRecord(
                         where,
                         f"the chat template renders the turns before message {index} differently inside the full "
-                        "conversation, so the assistant reply cannot be located (e.g. two assistant messages in a row)",
+                        f"conversation ({prompt[max(0, at - 30):at + 30]!r} alone, {text[max(0, at - 30):at + 30]!r} "
+                        "inside), so the reply would be trained in a context the model never sees when it writes it "
+                        "(e.g. two assistant messages in a row; Qwen3 with reasoning in a tool-calling turn followed "
+                        "by a new user message: split the record at that message)",
                     )
                 end = text.find(self.end_of_turn, len(prompt))
                 if end < 0:
                     raise InvalidChatRecord(where, f"no {self.end_of_turn!r} after assistant message {index}")
                 spans.append((len(prompt), end + len(self.end_of_turn)))
-        except TemplateError as error:
+        except InvalidChatRecord:
+            raise
+        except Exception as error:  # noqa: BLE001 (jinja's TemplateError, or a TypeError inside the template)
             raise InvalidChatRecord(where, f"the chat template rejected the conversation: {error}") from None
-        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        input_ids, offsets = encoding["input_ids"], [tuple(o) for o in encoding["offset_mapping"]]
-        labels, span_index = [], 0
-        for token_id, (start, end) in zip(input_ids, offsets):
-            while span_index < len(spans) and spans[span_index][1] <= start:
-                span_index += 1
-            inside = span_index < len(spans) and start < spans[span_index][1] and end > spans[span_index][0]
-            labels.append(token_id if inside else -100)
-        return EncodedChat(text, input_ids, labels, offsets, spans)
+        encoding = self._tokenize(text, add_special_tokens=False)
+        unrendered = sum(1 for m in messages if m.get("reasoning_content", "").strip() and
+                         m["reasoning_content"].strip() not in text)
+        return self._labelled(text, encoding, spans, unrendered)
 
+    def _encode_text(self, record: TextRecord) -> EncodedChat:
+        if not self.eos_token:
+            raise InvalidChatRecord(record.where, "plain-text prompt/completion needs the tokenizer's EOS token, and "
+                                                  "this tokenizer has none; give the record as messages")
+        text = record.prompt + record.completion + self.eos_token
+        return self._labelled(text, self._tokenize(text, add_special_tokens=True), [(len(record.prompt), len(text))])
 
-def encode_records(
-    records: Iterable[ChatRecord],
-    masker: AssistantMasker,
-    max_length: int | None,
-    *,
-    skip_invalid_records: bool = False,
-    stats: ChatDataStats | None = None,
-    seen: dict[bytes, str] | None = None,
-) -> tuple[list[ChatRecord], list[list[int]], list[list[int]]]:
-    """Mask, truncate (keep the first `max_length` tokens) and filter records, dropping exact duplicates.
+    def _tokenize(self, text: str, add_special_tokens: bool):
+        """`tokenizer(text)`'s encoding: the backend as transformers sets it for a call without truncation, padding
+        or `split_special_tokens` (each call there sets these, and they stay set on the backend after it)."""
+        backend = self.backend
+        if backend.truncation is not None:
+            backend.no_truncation()
+        if backend.padding is not None:
+            backend.no_padding()
+        backend.encode_special_tokens = False
+        return backend.encode(text, add_special_tokens=add_special_tokens)
 
-    With `seen` (digest → `file:line` of earlier kept records, updated with the kept ones: one 32-byte digest per
-    record; `load_sft_data` passes one), a record whose messages equal those of an earlier kept record
-    (`messages_sha256`) is dropped and counted in `stats.duplicates`, its reason being `file:line: same messages as
-    file:line`. A record that is itself skipped (invalid, or no supervised token left) does not make its repeats
-    duplicates: they are skipped for the same reason.
-
-    Returns:
-        `(kept_records, input_ids, labels)`, aligned lists. A row whose labels are all -100 after truncation
-        (ignoring position 0, which no loss reads: the model predicts token t from tokens < t) is dropped and
-        counted in `stats.dropped_after_truncation`.
-
-    Raises:
-        InvalidChatRecord: from `AssistantMasker.encode`, unless `skip_invalid_records`.
-    """
-    stats = stats if stats is not None else ChatDataStats()
-    kept, all_ids, all_labels = [], [], []
-    for record in records:
-        digest = messages_sha256(record.messages) if seen is not None else None
-        if seen is not None and digest in seen:
-            stats.count_skip(InvalidChatRecord(record.where, f"same messages as {seen[digest]}", kind="duplicates"))
-            continue
-        try:
-            encoded = masker.encode(record.messages, record.where)
-        except InvalidChatRecord as error:
-            if not skip_invalid_records:
-                raise
-            stats.count_skip(error)
-            continue
-        ids, labels = encoded.input_ids, encoded.labels
-        if max_length is not None and len(ids) > max_length:
-            ids, labels = ids[:max_length], labels[:max_length]
-            truncated = True
-        else:
-            truncated = False
-        supervised = sum(label != -100 for label in labels[1:])
-        if supervised == 0:
-            stats.dropped_after_truncation += 1
-            continue
-        stats.kept += 1
-        stats.truncated += truncated
-        stats.tokens += len(ids)
-        stats.supervised_tokens += supervised
-        if seen is not None:
-            seen[digest] = record.where
-        kept.append(record)
-        all_ids.append(ids)
-        all_labels.append(labels)
-    return kept, all_ids, all_labels
+    @staticmethod
+    def _labelled(text: str, encoding, spans: list[tuple[int, int]], unrendered: int = 0) -> EncodedChat:
+        """Labels: a token is supervised when its characters overlap a span. The tokens of a span run from the one
+        holding its first character to the last one holding its last character."""
+        input_ids = encoding.ids
+        labels = [-100] * len(input_ids)
+        for start, end in spans:
+            first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
+            if first is None or last is None:  # characters no token covers (a normalizer dropped them)
+                inside = [i for i, (a, b) in enumerate(encoding.offsets) if a < end and b > start]
+                first, last = (inside[0], inside[-1]) if inside else (0, -1)
+            while last + 1 < len(input_ids) and encoding.token_to_chars(last + 1)[0] < end:
+                last += 1  # a character split over several tokens (byte-level BPE)
+            labels[first : last + 1] = input_ids[first : last + 1]
+        return EncodedChat(text, input_ids, labels, encoding, spans, unrendered)

@@ -1,41 +1,87 @@
-"""Chat JSONL → SFT datasets with provenance (`load_sft_data`): read and validate (`hfl3.data.chat`), drop exact
-duplicates, mask and truncate (`hfl3.data.masks`), split, hash.
+"""SFT records → train/eval `datasets.Dataset`s of `input_ids` and `labels` (-100 off the loss), with counts and
+provenance (`load_sft_data`). TRL's `SFTTrainer` uses such rows as they are.
 
-The rows are a `datasets.Dataset` with `input_ids` and `labels` (-100 off the loss), which TRL's `SFTTrainer` uses
-as is.
+The way through, for each source (`hfl3.data.sft_sources`: a JSONL file or a `datasets` split):
+
+1. Encode: `datasets.Dataset.from_generator` over the source's shards, `dataset_num_proc` worker processes each
+   reading its shards in order. Every record is normalized (`hfl3.data.chat.normalize_record`), rendered and masked
+   (`hfl3.data.masks`) and cut to `max_length` (keep the start, like TRL): one Arrow row per record, an invalid one
+   with its reason. The result is cached by a fingerprint of the source's content (a file's sha256, a split's
+   `datasets` fingerprint), the tokenizer and template, `max_length` and this code, so a second run with the same
+   inputs reads the cached Arrow files instead of encoding.
+2. Report: invalid records stop the run (the first named, all counted) or, with `skip_invalid_records`, are counted
+   and the first few logged; rows whose supervised tokens all fell beyond `max_length` are dropped and counted; a
+   record equal to an earlier kept one (`ChatRecord.canonical`: in the same source or, for evaluation data, in the
+   training data; compared by a 128-bit prefix of its sha256) is dropped and counted. Nothing usable left:
+   `SFTDataError`.
+3. Split and hash: `val_split` holds out a seeded set of the kept training rows (`split_indices`); the kept records'
+   `sha256_records` (over their canonical JSON, in dataset order) is computed by streaming the Arrow files.
+
+Memory stays flat in the data: rows are written as they are encoded, then read back memory-mapped; only per-row
+scalars (lengths, counts, digests) are read whole, and the records' text is streamed through the hash.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
-from collections.abc import Iterable
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-from hfl3.data.chat import ChatDataStats, read_chat_jsonl
-from hfl3.data.masks import AssistantMasker, encode_records
-from hfl3.provenance import sha256_file, sha256_records
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from hfl3.data import chat, masks, sft_sources
+from hfl3.data.chat import ChatDataStats, InvalidChatRecord, SFTDataError, normalize_record
+from hfl3.data.masks import AssistantMasker
+from hfl3.data.sft_sources import SFTSource, iter_arrow_batches, iter_shard, open_dataset, open_jsonl
+from hfl3.provenance import canonical_json, sha256_records
 
 logger = logging.getLogger(__name__)
+
+FEATURES = datasets.Features({
+    "where": datasets.Value("string"),
+    "error": datasets.Value("string"),
+    "kind": datasets.Value("string"),
+    "record": datasets.Value("string"),
+    "digest_high": datasets.Value("int64"),
+    "digest_low": datasets.Value("int64"),
+    "input_ids": datasets.List(datasets.Value("int32")),
+    "labels": datasets.List(datasets.Value("int32")),
+    "supervised": datasets.Value("int32"),
+    "truncated": datasets.Value("bool"),
+    "sharegpt": datasets.Value("bool"),
+    "reasoning_not_rendered": datasets.Value("int32"),
+})
+_INVALID = {"record": None, "digest_high": 0, "digest_low": 0, "input_ids": [], "labels": [], "supervised": 0,
+            "truncated": False, "sharegpt": False, "reasoning_not_rendered": 0}
+SHARDS_PER_PROCESS = 4
 
 
 @dataclass
 class SFTData:
     """Datasets and provenance for one SFT run (see `load_sft_data`).
 
-    `train` / `eval` have columns `input_ids` and `labels`; `stats` maps `"train_file"` (and `"eval_file"` when
-    separate) to `ChatDataStats`; `provenance` holds the record hashes, file hashes, split seed and sizes."""
+    `train` / `eval` have columns `input_ids` and `labels`; `stats` maps each source's argument (`train_file`,
+    `eval_file`, `dataset_train_split`, `dataset_test_split`) to its `ChatDataStats`; `provenance` holds the record
+    hashes, file hashes, datasets, split seed, sizes and counts; `train_supervised_tokens` counts the tokens with a
+    label in `train` (position 0 aside, which no loss reads)."""
 
-    train: object
-    eval: object | None
+    train: datasets.Dataset
+    eval: datasets.Dataset | None
     stats: dict[str, ChatDataStats]
     provenance: dict
+    train_supervised_tokens: int = 0
 
 
-def split_indices(n: int, val_split: float, seed: int) -> tuple[list[int], list[int]]:
+def split_indices(n: int, val_split: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Disjoint seeded split of `range(n)`: `round(n * val_split)` (at least 1) indices go to validation, chosen by
-    `random.Random(seed).sample`; both lists are returned sorted (original order).
+    `random.Random(seed).sample`; both arrays are returned sorted (original order).
 
     Raises:
         ValueError: if `val_split` is not in (0, 1) or leaves no training example.
@@ -45,89 +91,240 @@ def split_indices(n: int, val_split: float, seed: int) -> tuple[list[int], list[
     n_val = max(1, round(n * val_split))
     if n_val >= n:
         raise ValueError(f"val_split={val_split} of {n} examples leaves nothing to train on")
-    val = sorted(random.Random(seed).sample(range(n), n_val))
-    val_set = set(val)
-    return [i for i in range(n) if i not in val_set], val
+    val = np.sort(np.fromiter(random.Random(seed).sample(range(n), n_val), dtype=np.int64, count=n_val))
+    held_out = np.zeros(n, dtype=bool)
+    held_out[val] = True
+    return np.flatnonzero(~held_out), val
 
 
-def _encode_file(path, masker, max_length, skip_invalid_records, seen) -> tuple[list, list, list, ChatDataStats]:
-    stats = ChatDataStats()
-    records = read_chat_jsonl(path, skip_invalid_records=skip_invalid_records, stats=stats)
-    kept, ids, labels = encode_records(
-        records, masker, max_length, skip_invalid_records=skip_invalid_records, stats=stats, seen=seen
-    )
+def encode_row(where: str, obj: object, masker: AssistantMasker, max_length: int | None) -> dict:
+    """One record (a decoded object, or the `InvalidChatRecord` its line gave) as a row of `FEATURES`: normalized,
+    masked and truncated, or invalid with `error` (the reason) and `kind` (its `ChatDataStats` counter)."""
+    try:
+        if isinstance(obj, InvalidChatRecord):
+            raise obj
+        record = normalize_record(obj, where)
+        encoded = masker.encode(record)
+    except InvalidChatRecord as error:
+        return {**_INVALID, "where": where, "error": error.reason, "kind": error.kind}
+    ids, labels = encoded.input_ids, encoded.labels
+    truncated = max_length is not None and len(ids) > max_length
+    if truncated:
+        ids, labels = ids[:max_length], labels[:max_length]
+    text = canonical_json(record.canonical())
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return {"where": where, "error": None, "kind": None, "record": text,
+            "digest_high": int.from_bytes(digest[:8], "big", signed=True),
+            "digest_low": int.from_bytes(digest[8:16], "big", signed=True),
+            "input_ids": ids, "labels": labels, "supervised": sum(label != -100 for label in labels[1:]),
+            "truncated": truncated, "sharegpt": getattr(record, "sharegpt", False),
+            "reasoning_not_rendered": encoded.reasoning_not_rendered}
+
+
+def _encode_shards(shards, masker: AssistantMasker, max_length: int | None):
+    for shard in shards:
+        for where, obj in iter_shard(shard):
+            yield encode_row(where, obj, masker, max_length)
+
+
+def _code_sha256() -> str:
+    """The source of what turns records into rows: a change to it makes the cached rows stale."""
+    return sha256_records([Path(module.__file__).read_bytes() for module in (chat, masks, sft_sources,
+                                                                              sys.modules[__name__])])
+
+
+def encode_source(source: SFTSource, masker: AssistantMasker, max_length: int | None, num_proc: int = 1,
+                  cache_dir: str | None = None) -> datasets.Dataset:
+    """Every record of `source` as a row of `FEATURES`, in order, by `num_proc` processes; cached (module docstring)."""
+    fingerprint = sha256_records([[source.name, source.key, masker.fingerprint(), max_length, _code_sha256()]])[:40]
+    shards = source.shards(max(1, num_proc) * SHARDS_PER_PROCESS)
+    return datasets.Dataset.from_generator(
+        _encode_shards, features=FEATURES, cache_dir=cache_dir, fingerprint=fingerprint,
+        num_proc=num_proc if num_proc > 1 and len(shards) > 1 else None,
+        gen_kwargs={"shards": shards, "masker": masker, "max_length": max_length})
+
+
+def _numpy(table: pa.Table, column: str) -> np.ndarray:
+    return table.column(column).to_numpy()
+
+
+@dataclass
+class _Kept:
+    """The kept rows of one encoded source: row indices (sorted) and their digests, for later duplicate checks."""
+
+    rows: np.ndarray
+    keys: np.ndarray
+    where: pa.ChunkedArray
+
+
+def _first_equal(before: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """For each row of `keys` (shape `(n, 2)`), the index in `before + keys` of the first row equal to it (itself when
+    none comes earlier). `np.unique(return_index=True)` gives first occurrences (its sort is stable)."""
+    _, first, inverse = np.unique(np.concatenate([before, keys]), axis=0, return_index=True, return_inverse=True)
+    return first[inverse.reshape(-1)][len(before) :]
+
+
+def _report(encoded: datasets.Dataset, name: str, skip_invalid_records: bool, earlier: _Kept | None
+            ) -> tuple[_Kept, ChatDataStats]:
+    """Count, check and deduplicate the rows of one encoded source (module docstring, step 2).
+
+    Raises:
+        InvalidChatRecord: the first invalid record (with the count of all), unless `skip_invalid_records`.
+        SFTDataError: no usable record left.
+    """
+    table, stats = encoded.data, ChatDataStats(read=len(encoded))
+    where = table.column("where")
+    invalid = table.column("error").is_valid().to_numpy(zero_copy_only=False)
+    bad = np.flatnonzero(invalid)
+    for counted in pc.value_counts(table.column("kind").drop_null()).to_pylist():
+        setattr(stats, counted["values"], counted["counts"])
+    errors = table.column("error")
+    stats.first_errors = [f"{where[int(i)].as_py()}: {errors[int(i)].as_py()}" for i in bad[: chat.MAX_LOGGED_ERRORS]]
+    if len(bad) and not skip_invalid_records:
+        for line in stats.first_errors:
+            logger.error("invalid record %s", line)
+        first = int(bad[0])
+        more = f" ({len(bad) - 1} more invalid record(s), the first logged above; --skip_invalid_records skips and " \
+               "counts them)" if len(bad) > 1 else ""
+        raise InvalidChatRecord(where[first].as_py(), errors[first].as_py() + more, table.column("kind")[first].as_py())
+    supervised = _numpy(table, "supervised")
+    candidates = np.flatnonzero(~invalid & (supervised > 0))
+    stats.dropped_after_truncation = int((~invalid & (supervised == 0)).sum())
+    keys = np.stack([_numpy(table, "digest_high")[candidates], _numpy(table, "digest_low")[candidates]], axis=1)
+    before = earlier.keys if earlier is not None else np.empty((0, 2), dtype=np.int64)
+    origin = _first_equal(before, keys)
+    own = origin == np.arange(len(before), len(before) + len(candidates))
+    stats.duplicates = int((~own).sum())
+    for index in np.flatnonzero(~own)[: max(0, chat.MAX_LOGGED_ERRORS - len(stats.first_errors))]:
+        source = origin[index]
+        original = earlier.where[int(earlier.rows[source])] if source < len(before) else \
+            where[int(candidates[source - len(before)])]
+        stats.first_errors.append(f"{where[int(candidates[index])].as_py()}: same messages as {original.as_py()}")
+    rows = candidates[own]
+    lengths = pc.list_value_length(table.column("input_ids")).to_numpy()
+    stats.kept, stats.tokens = len(rows), int(lengths[rows].sum())
+    stats.supervised_tokens = int(supervised[rows].sum())
+    for counter in ("truncated", "sharegpt", "reasoning_not_rendered"):
+        setattr(stats, counter, int(_numpy(table, counter)[rows].sum()))
     if stats.duplicates:
-        logger.warning("%s: dropped %d record(s) whose messages repeat an earlier record's (counted as duplicates)",
-                       path, stats.duplicates)
-    logger.info("%s: %s", path, {k: v for k, v in stats.as_dict().items() if k != "first_errors"})
+        logger.warning("%s: dropped %d record(s) equal to an earlier one (counted as duplicates)", name,
+                       stats.duplicates)
+    logger.info("%s: %s", name, {k: v for k, v in stats.as_dict().items() if k != "first_errors"})
     for error in stats.first_errors:
         logger.warning("skipped %s", error)
-    if not kept:
-        raise ValueError(f"{path}: no usable conversation left ({stats.as_dict()})")
-    return kept, ids, labels, stats
+    if stats.reasoning_not_rendered:
+        logger.warning("%s: the chat template does not render the reasoning_content of %d assistant message(s) "
+                       "(its history rules, or no support): not trained on", name, stats.reasoning_not_rendered)
+    if not len(rows):
+        counts = {k: v for k, v in stats.as_dict().items() if k != "first_errors"}
+        raise SFTDataError(f"{name}: no usable conversation left ({counts})")
+    return _Kept(rows, keys[own], where), stats
 
 
-def _rows(ids: list, labels: list, indices: Iterable[int]):
-    from datasets import Dataset
+def _stream_records(encoded: datasets.Dataset, rows: np.ndarray):
+    """The `record` strings of `rows` (sorted), read from the Arrow files without memory-mapping them."""
+    start = 0
+    for batch in iter_arrow_batches(encoded):
+        stop = start + batch.num_rows
+        texts = batch.column("record")
+        for row in rows[np.searchsorted(rows, start) : np.searchsorted(rows, stop)]:
+            yield texts[int(row) - start].as_py()
+        start = stop
 
-    indices = list(indices)
-    return Dataset.from_dict({"input_ids": [ids[i] for i in indices], "labels": [labels[i] for i in indices]})
+
+def _rows(encoded: datasets.Dataset, rows: np.ndarray) -> datasets.Dataset:
+    contiguous = len(rows) and rows[-1] - rows[0] + 1 == len(rows)
+    selected = encoded.select(range(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows)
+    return selected.select_columns(["input_ids", "labels"])
 
 
 def load_sft_data(
     tokenizer,
-    train_file: str | os.PathLike,
+    train_file: str | os.PathLike | None = None,
     *,
     eval_file: str | os.PathLike | None = None,
+    dataset_name: str | None = None,
+    dataset_config: str | None = None,
+    dataset_train_split: str | None = None,
+    dataset_test_split: str | None = None,
     val_split: float = 0.0,
     seed: int = 42,
     max_length: int | None = 1024,
     skip_invalid_records: bool = False,
     chat_template: str | None = None,
+    dataset_num_proc: int | None = None,
+    cache_dir: str | None = None,
 ) -> SFTData:
-    """Read, validate, mask and truncate chat JSONL into train/eval datasets with their provenance.
+    """Read, validate, mask and truncate SFT records into train/eval datasets with their provenance (module
+    docstring).
 
-    Records whose messages repeat an earlier record's are dropped and counted (`ChatDataStats.duplicates`) before
-    the split, so no conversation is in both train and eval; an `eval_file` record that repeats a training record is
-    dropped the same way. The evaluation rows come from `eval_file` or, with `val_split > 0`, from a disjoint seeded
-    split of the kept training rows (`split_indices`); with neither, `eval` is None. `provenance` holds
-    `train_records_sha256` / `eval_records_sha256` (`sha256_records` of the kept messages in dataset order), the
-    files' sha256, the split seed, the sizes and the counts (`ChatDataStats` per file).
+    Training records come from `train_file` (JSONL) or the `dataset_train_split` (default "train") of
+    `dataset_name` (with `dataset_config`). Evaluation records from the `dataset_test_split` of `dataset_name`, or a
+    disjoint seeded `val_split` of the kept training records (`split_indices`), or `eval_file`; with none, `eval` is
+    None. Records equal to an earlier one are dropped and counted before the split, so no conversation is in both
+    train and eval. `provenance` holds `train_records_sha256` / `eval_records_sha256` (`sha256_records` of the kept
+    records' canonical form in dataset order), the local files' sha256, the `datasets` sources, the split seed, the
+    sizes, the end-of-turn text and the counts (`ChatDataStats` per source).
+
+    Args:
+        dataset_num_proc: processes that encode (TRL's `SFTConfig.dataset_num_proc`; None: 1).
+        cache_dir: where the encoded rows, and a `datasets` source's prepared Arrow files, are cached (default: the
+            `datasets` cache, `HF_DATASETS_CACHE`).
 
     Raises:
-        InvalidChatRecord: for the first bad record, unless `skip_invalid_records`.
-        ValueError: if a file has no usable record left, or both `eval_file` and `val_split` are given.
+        InvalidChatRecord: the first bad record (all are counted in its message), unless `skip_invalid_records`.
+        SFTDataError: a source with no usable record left.
+        ValueError: not exactly one training source, or more than one evaluation source.
     """
-    if eval_file is not None and val_split:
-        raise ValueError("give either eval_file or val_split, not both")
+    if (train_file is None) == (dataset_name is None):
+        raise ValueError("give exactly one of train_file and dataset_name")
+    given = [name for name, value in (("dataset_test_split", dataset_test_split), ("eval_file", eval_file),
+                                      ("val_split", val_split)) if value]
+    if len(given) > 1:
+        raise ValueError(f"give either {given[0]} or {given[1]}, not both")
+    if dataset_test_split and dataset_name is None:
+        raise ValueError("dataset_test_split needs dataset_name")
     masker = AssistantMasker(tokenizer, chat_template)
-    seen = {}  # sha256 of the kept training records' messages -> file:line
-    records, ids, labels, train_stats = _encode_file(train_file, masker, max_length, skip_invalid_records, seen)
-    stats = {"train_file": train_stats}
-    files = {str(train_file): sha256_file(train_file)}
-    if val_split:
-        train_idx, eval_idx = split_indices(len(records), val_split, seed)
-        eval_records, train_records = [records[i] for i in eval_idx], [records[i] for i in train_idx]
-        train, evaluation = _rows(ids, labels, train_idx), _rows(ids, labels, eval_idx)
+    num_proc = dataset_num_proc or 1
+    if train_file is not None:
+        sources = {"train_file": open_jsonl(str(train_file))}
     else:
-        train_records, train = records, _rows(ids, labels, range(len(records)))
-        eval_records, evaluation = [], None
+        sources = {"dataset_train_split": open_dataset(dataset_name, dataset_config, dataset_train_split or "train",
+                                                       cache_dir)}
     if eval_file is not None:
-        eval_records, eval_ids, eval_labels, stats["eval_file"] = _encode_file(
-            eval_file, masker, max_length, skip_invalid_records, seen
-        )
-        evaluation = _rows(eval_ids, eval_labels, range(len(eval_records)))
-        files[str(eval_file)] = sha256_file(eval_file)
+        sources["eval_file"] = open_jsonl(str(eval_file))
+    if dataset_test_split:
+        sources["dataset_test_split"] = open_dataset(dataset_name, dataset_config, dataset_test_split, cache_dir)
+    encoded, kept, stats, earlier = {}, {}, {}, None
+    for argument, source in sources.items():
+        encoded[argument] = encode_source(source, masker, max_length, num_proc, cache_dir)
+        kept[argument], stats[argument] = _report(encoded[argument], source.name, skip_invalid_records, earlier)
+        earlier = earlier or kept[argument]
+    train_argument, *eval_arguments = sources
+    train_encoded, train_rows = encoded[train_argument], kept[train_argument].rows
+    if val_split:
+        train_positions, eval_positions = split_indices(len(train_rows), val_split, seed)
+        eval_encoded, eval_rows = train_encoded, train_rows[eval_positions]
+        train_rows = train_rows[train_positions]
+    elif eval_arguments:
+        eval_encoded, eval_rows = encoded[eval_arguments[0]], kept[eval_arguments[0]].rows
+    else:
+        eval_encoded, eval_rows = None, np.empty(0, dtype=np.int64)
+    files = {path: digest for source in sources.values() for path, digest in
+             source.provenance.get("files_sha256", {}).items()}
     provenance = {
-        "train_records_sha256": sha256_records([list(r.messages) for r in train_records]),
-        "eval_records_sha256": sha256_records([list(r.messages) for r in eval_records]) if eval_records else None,
+        "train_records_sha256": sha256_records(_stream_records(train_encoded, train_rows)),
+        "eval_records_sha256": sha256_records(_stream_records(eval_encoded, eval_rows)) if len(eval_rows) else None,
         "files_sha256": files,
+        "datasets": [source.provenance["dataset"] for source in sources.values() if "dataset" in source.provenance],
         "val_split": val_split,
         "split_seed": seed if val_split else None,
-        "train_examples": len(train_records),
-        "eval_examples": len(eval_records),
+        "train_examples": len(train_rows),
+        "eval_examples": len(eval_rows),
         "max_length": max_length,
         "end_of_turn": masker.end_of_turn,
-        "counts": {name: s.as_dict() for name, s in stats.items()},
+        "counts": {argument: s.as_dict() for argument, s in stats.items()},
     }
-    return SFTData(train, evaluation, stats, provenance)
+    supervised = int(_numpy(train_encoded.data, "supervised")[train_rows].sum())
+    return SFTData(_rows(train_encoded, train_rows), _rows(eval_encoded, eval_rows) if len(eval_rows) else None,
+                   stats, provenance, supervised)

@@ -4,7 +4,7 @@ The same facts go to three places: `metadata.json` beside the weights, the `__me
 `.safetensors` files, and the model card (`README.md`) that a push uploads. Both recipes, the nanochat converters and
 the trainers' output folders (`hfl3.trainers.output_mixins`) use it. One module per concern:
 
-- `hashing`: `sha256_records`, `sha256_file`, `config_sha256` — what was trained on;
+- `hashing`: `sha256_records` (`canonical_json`), `sha256_file`, `config_sha256` — what was trained on;
 - `versions`: `package_versions`, `git_commit`, `git_dirty` — the software that produced it;
 - `portable`: `portable` — no token and no absolute path of this machine in anything written;
 - `metadata`: `build_metadata` (the dict), `stamp_folder` (written to all three places);
@@ -16,7 +16,7 @@ Atomic writes, which every output uses, are `hfl3.atomic`.
 """
 
 from hfl3.provenance.card import write_model_card
-from hfl3.provenance.hashing import config_sha256, sha256_file, sha256_records
+from hfl3.provenance.hashing import canonical_json, config_sha256, sha256_file, sha256_records
 from hfl3.provenance.hub import push_folder_to_hub
 from hfl3.provenance.metadata import METADATA_FORMAT_VERSION, build_metadata, stamp_folder
 from hfl3.provenance.portable import SECRET_KEYS, portable
@@ -28,6 +28,7 @@ __all__ = [
     "SECRET_KEYS",
     "TRACKED_PACKAGES",
     "add_safetensors_metadata",
+    "canonical_json",
     "build_metadata",
     "config_sha256",
     "git_commit",

@@ -10,13 +10,19 @@ import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 
+def canonical_json(record: Mapping | Sequence) -> str:
+    """The JSON text `sha256_records` hashes for a dict or list: sorted keys, separators `(",", ":")`, no ASCII
+    escaping. Hashing this string gives the same digest as hashing `record`."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _record_bytes(record: str | bytes | Mapping | Sequence) -> bytes:
     if isinstance(record, bytes):
         return record
     if isinstance(record, str):
         return record.encode("utf-8")
     if isinstance(record, (Mapping, list, tuple)):
-        return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        return canonical_json(record).encode("utf-8")
     raise TypeError(f"cannot hash a record of type {type(record).__name__}; expected str, bytes, dict or list")
 
 

@@ -20,10 +20,12 @@ import os
 import sys
 from collections.abc import Iterator
 
+import pyarrow.compute as pc
 import torch
 from transformers.trainer_utils import get_last_checkpoint
 
 from hfl3.callbacks import BeforeLogSaveEvaluate
+from hfl3.data.chat import InvalidChatRecord, SFTDataError
 from hfl3.distributed import lost_peer_message
 
 from .launch import LaunchError
@@ -85,13 +87,22 @@ def check_vocabulary_fits(tokenizer, model, datasets=()) -> None:
     if not datasets:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens (with added ones) but the model {name} has {rows} "
                          f"embedding rows: token ids >= {rows} have no embedding. {fix}")
-    used = max(max((max(ids, default=-1) for ids in dataset["input_ids"]), default=-1) for dataset in datasets)
+    used = max(_largest_id(dataset) for dataset in datasets)
     used = max(used, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else -1)
     if used >= rows:
         raise ValueError(f"the data hold token id {used} (tokenizer: {len(tokenizer)} tokens with added ones) but the "
                          f"model {name} has {rows} embedding rows: token ids >= {rows} have no embedding. {fix}")
     logger.warning("the tokenizer has %d tokens but the model %s has %d embedding rows; the data and the pad id "
                    "stay below %d, so training runs", len(tokenizer), name, rows, rows)
+
+
+def _largest_id(dataset) -> int:
+    """The largest token id in a dataset's `input_ids`, read in Arrow batches (memory flat in the data)."""
+    largest = -1
+    for batch in dataset.with_format("arrow").iter(batch_size=1024):
+        value = pc.max(pc.list_flatten(batch["input_ids"])).as_py()
+        largest = max(largest, -1 if value is None else value)
+    return largest
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -200,18 +211,19 @@ class NonFiniteGuard:
 def exit_on_training_error(prog: str | None = None) -> Iterator[None]:
     """Around a recipe's `main(...)`: a `NonFiniteTrainingError` ends the program with `PROG: error: <message>` on
     stderr and exit status 1 instead of a traceback; a `LaunchError` (a distributed setup accelerate replaced,
-    `hfl3.trainers.launch.check_launch`) with exit status 2, as argument errors (`parse_recipe_args`). Every rank
-    prints its message (the same on each): the launcher stops the others as soon as one exits, so a message left to
-    rank 0 alone could be cut off. A failure of the process group because a rank is gone (its machine lost, its
+    `hfl3.trainers.launch.check_launch`) or bad SFT data (`InvalidChatRecord`, `SFTDataError`: the record and the
+    reason, or a source with nothing usable left) with exit status 2, as argument errors (`parse_recipe_args`). Every
+    rank prints its message (the same on each): the launcher stops the others as soon as one exits, so a message left
+    to rank 0 alone could be cut off. A failure of the process group because a rank is gone (its machine lost, its
     launcher killed) or stopped answering within the collective timeout (`--ddp_timeout`) ends the others with one
     line naming the lost ranks (`hfl3.distributed.lost_peer_message`) and exit status 1."""
     try:
         yield
-    except (NonFiniteTrainingError, LaunchError) as error:
+    except (NonFiniteTrainingError, LaunchError, InvalidChatRecord, SFTDataError) as error:
         # one write of the whole line: the ranks of a launch print at the same moment into one unbuffered stream
         sys.stderr.write(f"{prog or os.path.basename(sys.argv[0])}: error: {error}\n")
         sys.stderr.flush()
-        sys.exit(2 if isinstance(error, LaunchError) else 1)
+        sys.exit(1 if isinstance(error, NonFiniteTrainingError) else 2)
     except RuntimeError as error:  # the process group failed: a lost rank is named, anything else propagates
         message = lost_peer_message(error)
         if message is None:

@@ -39,6 +39,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import validate_repo_id
 from trl import TrlParser
 
+from hfl3.data.sft_sources import BUILDERS, dataset_splits
 from hfl3.data.sources import LOCAL_SUFFIXES
 from hfl3.distributed import check_same_on_all_ranks, on_all_ranks
 
@@ -50,6 +51,8 @@ MODEL = "a model folder (config.json and weights, as save_pretrained writes them
 TOKENIZER = "a tokenizer folder (tokenizer.json or tokenizer_config.json, as save_pretrained writes them) or a Hub id"
 CORPUS = ("stdlib, a text/.jsonl/.json/.parquet file, a folder or glob of them, or a datasets name (Hub id or "
           "folder)")
+SFT_DATASET = ("a datasets name: a Hub dataset id, a local folder of data files, or a "
+               f"{'/'.join(BUILDERS)} file")
 MODEL_FILES = ("config.json",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -223,3 +226,33 @@ def check_corpus(argument: str, spec: str) -> None:
             check_hub_repo(argument, entry, CORPUS, repo_type="dataset")
         else:
             raise _error(argument, value, "no such file or folder", CORPUS)
+
+
+def check_sft_dataset(name: str, config: str | None = None, splits: dict[str, str] | None = None) -> None:
+    """`--dataset_name NAME` of the SFT recipe exists: a local data file (`hfl3.data.sft_sources.BUILDERS`
+    suffixes), a local folder holding such files, or a Hub dataset (`check_hub_repo`); and has `splits` (argument →
+    split name, e.g. `{"dataset_train_split": "train"}`) with `--dataset_config CONFIG`, as its `datasets` builder
+    lists them before any data is read.
+
+    Raises:
+        ValueError: one line naming the argument, the value and what was expected (or the splits the dataset has).
+    """
+    path = Path(name)
+    if path.is_file() and path.suffix not in BUILDERS:
+        raise _error("dataset_name", name, f"not a {'/'.join(BUILDERS)} file", SFT_DATASET)
+    if path.is_dir() and not any(p.suffix in BUILDERS for p in path.rglob("*") if p.is_file()):
+        raise _error("dataset_name", name, f"the folder holds no {'/'.join(BUILDERS)} file", SFT_DATASET)
+    if not path.exists():
+        if not is_hub_id(name) or name.endswith(tuple(BUILDERS)):
+            raise _error("dataset_name", name, "no such file or folder", SFT_DATASET)
+        check_hub_repo("dataset_name", name, SFT_DATASET, repo_type="dataset")
+    try:
+        available = dataset_splits(name, config)
+    except Exception as error:  # noqa: BLE001 (datasets' errors for a config it lacks, or files it cannot read)
+        argument, value = ("dataset_config", config) if config and "config" in str(error).lower() else \
+            ("dataset_name", name)
+        raise ValueError(f"--{argument} {value}: datasets cannot open it: {str(error).splitlines()[0]}") from None
+    for argument, split in (splits or {}).items():
+        if available is not None and split not in available:
+            raise ValueError(f"--{argument} {split}: --dataset_name {name} has no such split; it has "
+                             f"{', '.join(sorted(available))}")

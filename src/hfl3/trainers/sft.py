@@ -43,6 +43,9 @@ class SFTLoRAConfig(SFTConfig):
             `check_arguments`); the recipe reports that step-0 evaluation as `eval_before_*`. It runs inside
             `train()`: an evaluate() before train() would prepare the model for inference only (no DDP wrapper, a
             ZeRO inference engine).
+        dataset_kwargs: None -> `{"skip_prepare_dataset": True}` unless packing: the rows come tokenized, masked and
+            truncated to `max_length` (`hfl3.data.sft.load_sft_data`), and TRL's preparation would only copy them
+            twice (truncating again, dropping rows without a label, of which there are none).
     Added:
         early_stopping_patience: stop when `eval_loss` has not improved this many evaluations in a row.
         early_stopping_threshold: minimum improvement that counts.
@@ -94,6 +97,8 @@ class SFTLoRAConfig(SFTConfig):
                 self.save_steps = self.eval_steps or self.logging_steps
         if self.load_best_model_at_end is None:
             self.load_best_model_at_end = evaluating
+        if self.dataset_kwargs is None and not self.packing and not self.eval_packing:
+            self.dataset_kwargs = {"skip_prepare_dataset": True}
         super().__post_init__()
 
     def without_evaluation(self) -> None:
