@@ -383,6 +383,8 @@ def test_training_evaluates_every_n_steps_and_at_the_end(saved_models, assets, t
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "core_metric" in entry]
     assert [entry["step"] for entry in logged] == [2, 3]
+    # the Trainer's own loss log of every step (logging_steps=1) survives the CORE log of the same step
+    assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry] == [1, 2, 3]
     assert {key: logged[-1][key] for key in core.latest.metrics()} == core.latest.metrics()
     after = evaluate_core(trainer.model, tokenizer, bundle)  # the trained model evaluated again: the same numbers
     assert core.latest.metrics() == after.metrics() and core.latest.bundle == bundle.describe()

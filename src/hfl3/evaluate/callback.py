@@ -95,7 +95,12 @@ class CoreMetricCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.every > 0 and state.global_step % self.every == 0:
+            should_log = control.should_log
             self.evaluate()
+            # `Trainer.log` clears `should_log` (`CallbackHandler.on_log`): without this, the Trainer's own loss log of
+            # this step would be skipped, folded into the next one, and at the last step left out of `train_loss`'s
+            # gathered sum (transformers 5.23 then adds rank 0's own loss only)
+            control.should_log = should_log
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._evaluated_step != state.global_step:
