@@ -18,7 +18,7 @@ from hfl3.data.inspect import highlight
 from hfl3.data.masks import AssistantMasker
 from hfl3.data.sft import load_sft_data
 from hfl3.data.sft_sources import iter_shard, open_jsonl
-from hfl3.models.l3gpt.convert_nanochat_tokenizer import load_nanochat_encoding, tokenizer_from_encoding
+from hfl3.nanochat.convert_nanochat_tokenizer import load_nanochat_encoding, tokenizer_from_encoding
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.guards import exit_on_training_error
 from hfl3.trainers.launch import parse_recipe_args
