@@ -129,11 +129,18 @@ def pytest_configure(config):
                                        "tests/conftest.py): skipped, naming what to set, where it is not found")
 
 
+# Multi-process modules whose ranks meet through a file store (`equivalence.spawn_gloo_ranks`), never a TCP port, and
+# use no session-scoped launch: each is a group of its own, free to run beside the launches
+SPAWNED_ONLY = {"tests/test_muon_ddp.py", "tests/distributed/test_handover.py",
+                "tests/distributed/test_muon_sharded_distributed.py"}
+
+
 def xdist_group(item) -> str:
     """A module's tests run in one worker, so that its module-scoped fixtures (whole recipe runs) run once; the
-    multi-process tests share one worker, so that their session-scoped launches run once and no two of them
-    contend for the cores or a rendezvous port at the same time."""
-    return "distributed" if item.get_closest_marker("distributed") else item.nodeid.split("::")[0]
+    launched multi-process tests share one worker, so that their session-scoped launches run once and no two of them
+    contend for a rendezvous port at the same time (`SPAWNED_ONLY` modules excepted)."""
+    module = item.nodeid.split("::")[0]
+    return "distributed" if item.get_closest_marker("distributed") and module not in SPAWNED_ONLY else module
 
 
 # pytest-timeout's limit for a multi-process test (pyproject.toml sets 900 s for the others): its fixtures may wait on
