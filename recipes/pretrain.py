@@ -177,6 +177,8 @@ def open_data(script_args: ScriptArguments, seed: int) -> tuple[DocumentSource, 
     held_out = sources.open_corpus(script_args.eval_dataset, **options) if script_args.eval_dataset else None
     corpus = sources.open_corpus(script_args.dataset, **options, exclude=held_out)
     split = None if held_out else DocumentSplit(script_args.val_fraction, seed)
+    logger.info("corpus: %d shard(s), validation: %s", len(corpus.shards),
+                script_args.eval_dataset or f"hash split, {script_args.val_fraction:.0%} of the documents")
     return (DocumentSource(corpus, split, seed=seed),
             DocumentSource(held_out or corpus, split, validation=split is not None, seed=seed, shuffle_shards=False,
                            epochs=1))
@@ -211,17 +213,16 @@ class PretrainData:
     eval_counts: dict
 
 
-def prepare_data(script_args: ScriptArguments, training_args: PretrainConfig, max_length: int) -> PretrainData:
-    """The training stream (with its tokenizer) and the validation rows (packed by global rank 0 for every rank).
+def prepare_data(script_args: ScriptArguments, documents: tuple[DocumentSource, DocumentSource], tokenizer,
+                 max_length: int) -> PretrainData:
+    """The training stream over `documents[0]` and the validation rows of `documents[1]` (packed by global rank 0
+    for every rank), tokenized by `tokenizer`.
 
     Raises:
         ValueError: the training stream differs between ranks (another copy of the data on a machine); no full
             validation row.
     """
-    train_documents, eval_documents = open_data(script_args, training_args.seed)
-    logger.info("corpus: %d shard(s), validation: %s", len(train_documents.corpus.shards),
-                script_args.eval_dataset or f"hash split, {script_args.val_fraction:.0%} of the documents")
-    tokenizer = prepare_tokenizer(script_args, training_args, train_documents)
+    train_documents, eval_documents = documents
     max_chars = max_length if script_args.document_max_chars is None else script_args.document_max_chars
     stream = PackedStream(train_documents, tokenizer, max_length, max_chars, script_args.packing_buffer,
                           script_args.shuffle_buffer)
@@ -263,26 +264,23 @@ def data_metadata(script_args: ScriptArguments, data: PretrainData, consumed: di
 
 
 def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args: ModelArguments) -> dict:
+    """Train on the arguments as `make_parser()` parsed and checked them (output folder prepared, resume checkpoint
+    resolved). Returns the results written to `all_results.json`; with `--dry_run`, the plan alone."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     set_seed(training_args.seed)
-    if not script_args.dry_run:  # a dry run neither checks nor touches the output folder
-        prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
     check_launch(training_args)  # refuse a distributed setup that accelerate silently replaced
-    # Sized before any data work, with the vocabulary the run will have (a BPE is trained to --vocab_size)
-    tokenizer_source = (None if script_args.dry_run else training_args.resume_from_checkpoint) or \
-        script_args.tokenizer_name_or_path
-    plan = plan_run(model_args, training_args,
-                    len(load_tokenizer(tokenizer_source)) if tokenizer_source else script_args.vocab_size)
-    if script_args.dry_run:
-        return plan.as_dict()
+    if script_args.dry_run:  # no data read: the vocabulary is the given tokenizer's, else the BPE's --vocab_size
+        vocab_size = len(load_tokenizer(script_args.tokenizer_name_or_path)) if script_args.tokenizer_name_or_path \
+            else script_args.vocab_size
+        return plan_run(model_args, training_args, vocab_size).as_dict()
     core_bundle = core_bundle_for_training(training_args)  # --core_metric_every: read (or downloaded) before the data
-    data = prepare_data(script_args, training_args, training_args.max_length)
-    tokenizer = data.train.tokenizer
+    documents = open_data(script_args, training_args.seed)
+    tokenizer = prepare_tokenizer(script_args, training_args, documents[0])
+    plan = plan_run(model_args, training_args, len(tokenizer))  # sized before any row is packed
+    training_args.apply_compute_optimal_plan(plan)
+    data = prepare_data(script_args, documents, tokenizer, training_args.max_length)
     config = model_args.config(len(tokenizer), training_args.max_length, bos_token_id=tokenizer.bos_token_id,
                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    if config.vocab_size != plan.vocab_size:  # a BPE trained on little text can stop short of --vocab_size
-        plan = plan_run(model_args, training_args, len(tokenizer))
-    training_args.apply_compute_optimal_plan(plan)
     model = build_model(script_args, training_args, config, data)
     trainer, core = build_trainer(script_args, training_args, model, data, plan, core_bundle)
     metrics = train_and_evaluate(trainer, core)

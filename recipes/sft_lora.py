@@ -234,8 +234,8 @@ def load_tokenizer(model_args: SFTModelArguments, training_args: SFTLoRAConfig):
 
 def build_trainer(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_args: SFTModelArguments):
     """Tokenizer, masked data, base model, LoRA and trainer. Returns `(trainer, data, metadata)`; `metadata` is also
-    `trainer.provenance`, so every checkpoint carries it."""
-    check_arguments(script_args, training_args, model_args)
+    `trainer.provenance`, so every checkpoint carries it. The arguments as `make_parser()` checked them
+    (`check_inputs`)."""
     tokenizer = load_tokenizer(model_args, training_args)
     train_file = script_args.train_file
     if script_args.stdlib_chats:  # global rank 0 writes the file, every machine reads it (main_writes)
@@ -282,8 +282,8 @@ def build_trainer(script_args: SFTScriptArguments, training_args: SFTLoRAConfig,
 
 def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_args: SFTModelArguments) -> dict:
     """Train (evaluating at step 0 and after, when there is evaluation data), save the adapter with provenance,
-    optionally merge and push. Returns the results written to `all_results.json`."""
-    prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
+    optionally merge and push, on the arguments as `make_parser()` parsed and checked them (output folder prepared,
+    resume checkpoint resolved). Returns the results written to `all_results.json`."""
     check_launch(training_args)  # refuse a distributed setup that accelerate silently replaced
     trainer, data, metadata = build_trainer(script_args, training_args, model_args)
     log = trainer.accelerator.print

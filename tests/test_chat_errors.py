@@ -188,4 +188,4 @@ def test_recipe_stops_before_loading_the_model(tmp_path, assets, sft_recipe):
         sft_recipe.build_trainer(script, SFTLoRAConfig(output_dir=str(tmp_path / "out")), model)
     asked_to_evaluate = SFTLoRAConfig(output_dir=str(tmp_path), eval_strategy="steps")
     with pytest.raises(ValueError, match="needs --dataset_test_split, --val_split or --eval_file"):
-        sft_recipe.build_trainer(sft_recipe.SFTScriptArguments(train_file=str(data)), asked_to_evaluate, model)
+        sft_recipe.check_arguments(sft_recipe.SFTScriptArguments(train_file=str(data)), asked_to_evaluate, model)
