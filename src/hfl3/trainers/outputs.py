@@ -31,7 +31,7 @@ from huggingface_hub import constants as hub_constants
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hfl3.distributed import SeparateDisks, checkpoint_on_this_machine, from_main, on_all_ranks, separate_disks
-from hfl3.trainers.inputs import is_hub_id
+from hfl3.provenance.hub import is_hub_id
 
 logger = logging.getLogger(__name__)
 
