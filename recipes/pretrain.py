@@ -49,22 +49,22 @@ from transformers import AutoModelForCausalLM, set_seed
 from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM, fp8, provenance
-from hfl3.callbacks import LossPlotCallback, SampleCallback, ThroughputCallback
+from hfl3.callbacks import SampleCallback, ThroughputCallback
 from hfl3.data import sources
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
 from hfl3.distributed import check_same_on_all_ranks, from_main, main_writes
-from hfl3.evaluate import CoreMetricCallback, check_core_bundle, core_bundle_for_training
+from hfl3.evaluate import CoreMetricCallback, core_bundle_for_training
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
 from hfl3.trainers.compute_optimal import REFERENCE_DEPTH, ComputeOptimalPlan, compute_optimal_plan
 from hfl3.trainers.guards import exit_on_training_error
-from hfl3.trainers.inputs import TOKENIZER, TOKENIZER_FILES, RecipeParser, check_corpus, check_pretrained
-from hfl3.trainers.launch import add_config_argument, check_launch, end_distributed_run, parse_recipe_args
-from hfl3.trainers.outputs import prepare_output_dir, work_dir
+from hfl3.trainers.inputs import RecipeParser, check_pretrain_inputs
+from hfl3.trainers.launch import LOG_FORMAT, add_config_argument, check_launch, end_distributed_run, parse_recipe_args
+from hfl3.trainers.outputs import work_dir
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 
-logger = logging.getLogger("hfl3.pretrain")
+logger = logging.getLogger("hfl3.recipes.pretrain")
 
 
 @dataclass
@@ -135,26 +135,8 @@ class ModelArguments:
 
 def make_parser() -> RecipeParser:
     """`TrlParser` over the script, model and training arguments, in that order so that `--help` lists the recipe's
-    own options first (after `--config`); it returns them in that order too, after `check_inputs`."""
-    return add_config_argument(RecipeParser((ScriptArguments, ModelArguments, PretrainConfig), check_inputs))
-
-
-def check_inputs(script_args: ScriptArguments, model_args: ModelArguments, training_args: PretrainConfig) -> None:
-    """Every path and name given, checked by the parser before any heavy work (`hfl3.trainers.inputs`): a bad one
-    is an argument error (one line, exit status 2). The output folder, resume checkpoint and push:
-    `prepare_output_dir`.
-
-    Raises:
-        ValueError, OSError: one line naming the argument, the value and what was expected.
-    """
-    if not script_args.dry_run:  # a dry run reads no data and leaves the output folder alone: nothing to check there
-        prepare_output_dir(training_args)
-        check_corpus("dataset", script_args.dataset)
-        if script_args.eval_dataset:
-            check_corpus("eval_dataset", script_args.eval_dataset)
-        check_core_bundle(training_args)
-    if script_args.tokenizer_name_or_path:
-        check_pretrained("tokenizer_name_or_path", script_args.tokenizer_name_or_path, TOKENIZER, TOKENIZER_FILES)
+    own options first (after `--config`); it returns them in that order too, after `check_pretrain_inputs`."""
+    return add_config_argument(RecipeParser((ScriptArguments, ModelArguments, PretrainConfig), check_pretrain_inputs))
 
 
 def plan_run(model_args: ModelArguments, training_args: PretrainConfig, vocab_size: int) -> ComputeOptimalPlan:
@@ -177,6 +159,8 @@ def open_data(script_args: ScriptArguments, seed: int) -> tuple[DocumentSource, 
     held_out = sources.open_corpus(script_args.eval_dataset, **options) if script_args.eval_dataset else None
     corpus = sources.open_corpus(script_args.dataset, **options, exclude=held_out)
     split = None if held_out else DocumentSplit(script_args.val_fraction, seed)
+    logger.info("corpus: %d shard(s), validation: %s", len(corpus.shards),
+                script_args.eval_dataset or f"hash split, {script_args.val_fraction:.0%} of the documents")
     return (DocumentSource(corpus, split, seed=seed),
             DocumentSource(held_out or corpus, split, validation=split is not None, seed=seed, shuffle_shards=False,
                            epochs=1))
@@ -211,17 +195,16 @@ class PretrainData:
     eval_counts: dict
 
 
-def prepare_data(script_args: ScriptArguments, training_args: PretrainConfig, max_length: int) -> PretrainData:
-    """The training stream (with its tokenizer) and the validation rows (packed by global rank 0 for every rank).
+def prepare_data(script_args: ScriptArguments, documents: tuple[DocumentSource, DocumentSource], tokenizer,
+                 max_length: int) -> PretrainData:
+    """The training stream over `documents[0]` and the validation rows of `documents[1]` (packed by global rank 0
+    for every rank), tokenized by `tokenizer`.
 
     Raises:
         ValueError: the training stream differs between ranks (another copy of the data on a machine); no full
             validation row.
     """
-    train_documents, eval_documents = open_data(script_args, training_args.seed)
-    logger.info("corpus: %d shard(s), validation: %s", len(train_documents.corpus.shards),
-                script_args.eval_dataset or f"hash split, {script_args.val_fraction:.0%} of the documents")
-    tokenizer = prepare_tokenizer(script_args, training_args, train_documents)
+    train_documents, eval_documents = documents
     max_chars = max_length if script_args.document_max_chars is None else script_args.document_max_chars
     stream = PackedStream(train_documents, tokenizer, max_length, max_chars, script_args.packing_buffer,
                           script_args.shuffle_buffer)
@@ -240,7 +223,9 @@ def prepare_data(script_args: ScriptArguments, training_args: PretrainConfig, ma
 
 def data_metadata(script_args: ScriptArguments, data: PretrainData, consumed: dict) -> dict:
     """The `data` section of metadata.json: sources (files with sizes and sha256), the split, what was trained on
-    (`L3GPTTrainer.stream_summary`)."""
+    (`consumed`: `L3GPTTrainer.stream_summary`, also logged)."""
+    logger.info("training stream: %d documents read, %d held out, %d duplicates within a shard dropped",
+                consumed["documents"], consumed["held_out_documents"], consumed["duplicate_documents"])
     train = data.train.source
     split = train.split.describe() if train.split else {"method": "held-out source",
                                                         "eval_dataset": script_args.eval_dataset}
@@ -263,53 +248,46 @@ def data_metadata(script_args: ScriptArguments, data: PretrainData, consumed: di
 
 
 def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args: ModelArguments) -> dict:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    """Train on the arguments as `make_parser()` parsed and checked them (output folder prepared, resume checkpoint
+    resolved). Returns the results written to `all_results.json`; with `--dry_run`, the plan alone."""
     set_seed(training_args.seed)
-    if not script_args.dry_run:  # a dry run neither checks nor touches the output folder
-        prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
     check_launch(training_args)  # refuse a distributed setup that accelerate silently replaced
-    # Sized before any data work, with the vocabulary the run will have (a BPE is trained to --vocab_size)
-    tokenizer_source = (None if script_args.dry_run else training_args.resume_from_checkpoint) or \
-        script_args.tokenizer_name_or_path
-    plan = plan_run(model_args, training_args,
-                    len(load_tokenizer(tokenizer_source)) if tokenizer_source else script_args.vocab_size)
-    if script_args.dry_run:
-        return plan.as_dict()
+    if script_args.dry_run:  # no data read: the vocabulary is the given tokenizer's, else the BPE's --vocab_size
+        vocab_size = len(load_tokenizer(script_args.tokenizer_name_or_path)) if script_args.tokenizer_name_or_path \
+            else script_args.vocab_size
+        return plan_run(model_args, training_args, vocab_size).as_dict()
     core_bundle = core_bundle_for_training(training_args)  # --core_metric_every: read (or downloaded) before the data
-    data = prepare_data(script_args, training_args, training_args.max_length)
-    tokenizer = data.train.tokenizer
-    config = model_args.config(len(tokenizer), training_args.max_length, bos_token_id=tokenizer.bos_token_id,
-                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    if config.vocab_size != plan.vocab_size:  # a BPE trained on little text can stop short of --vocab_size
-        plan = plan_run(model_args, training_args, len(tokenizer))
+    documents = open_data(script_args, training_args.seed)
+    tokenizer = prepare_tokenizer(script_args, training_args, documents[0])
+    plan = plan_run(model_args, training_args, len(tokenizer))  # sized before any row is packed
     training_args.apply_compute_optimal_plan(plan)
-    model = build_model(script_args, training_args, config, data)
+    data = prepare_data(script_args, documents, tokenizer, training_args.max_length)
+    model = build_model(script_args, training_args, model_args, data)
     trainer, core = build_trainer(script_args, training_args, model, data, plan, core_bundle)
     metrics = train_and_evaluate(trainer, core)
-    consumed = trainer.stream_summary()  # every rank: gathers what each one trained on
-    logger.info("training stream: %d documents read, %d held out, %d duplicates within a shard dropped",
-                consumed["documents"], consumed["held_out_documents"], consumed["duplicate_documents"])
     trainer.provenance = provenance.build_metadata(
-        data=data_metadata(script_args, data, consumed),
-        model=config.to_dict(), script_args=asdict(script_args), model_args=asdict(model_args),
+        data=data_metadata(script_args, data, trainer.stream_summary()),  # every rank: gathers what each trained on
+        model=model.config.to_dict(), script_args=asdict(script_args), model_args=asdict(model_args),
         training_args=training_args.to_dict(), compute_optimal=plan.as_dict(), results=metrics,
         evaluation={"core": core.latest.summary()} if core else {},
     )
-    with trainer.finish_output():  # staged, committed whole: weights, tokenizer, metadata.json, card, results
+    with trainer.finish_output():  # staged, committed whole: weights, tokenizer, metadata.json, card, results, plot
         trainer.save_metrics("all", metrics)
+        trainer.save_loss_plot(("loss", "eval_bpb"))
         trainer.save_model()  # every rank: under ZeRO-3 the weights are gathered collectively
-    if is_deepspeed_zero3_enabled():  # training is over: the reload on the main process alone must not
-        unset_hf_deepspeed_config()  # partition the model with zero.Init (a collective: it would hang or crash)
-    if trainer.is_world_process_zero():
-        reload_and_generate(training_args.output_dir, (script_args.sample_prompts or ["def"])[0])
+    reload_and_generate(trainer, (script_args.sample_prompts or ["def"])[0])
     trainer.push_output()
     return metrics
 
 
-def build_model(script_args: ScriptArguments, training_args: PretrainConfig, config: L3GPTConfig,
+def build_model(script_args: ScriptArguments, training_args: PretrainConfig, model_args: ModelArguments,
                 data: PretrainData) -> L3GPTForCausalLM:
-    """A fresh L3GPT with its L3 allocation from a sample of the training stream (computed by global rank 0 for every
-    rank; a resumed run takes the checkpoint's), converted to FP8 when `--fp8` asks."""
+    """A fresh L3GPT for the stream's tokenizer, with its L3 allocation from a sample of the training stream
+    (computed by global rank 0 for every rank; a resumed run takes the checkpoint's), converted to FP8 when `--fp8`
+    asks."""
+    tokenizer = data.train.tokenizer
+    config = model_args.config(len(tokenizer), training_args.max_length, bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = L3GPTForCausalLM(config)
     if config.l3_after_layers and not training_args.resume_from_checkpoint:
         model.set_l3_allocation(from_main(lambda: lzw_allocation(data.train.sample_documents(
@@ -337,8 +315,7 @@ def build_trainer(script_args: ScriptArguments, training_args: PretrainConfig, m
         data_collator=PackedCollator(tokenizer.bos_token_id, training_args.attend_across_documents),
         processing_class=tokenizer, compute_metrics=BitsPerByte(token_bytes(tokenizer)),
         preprocess_logits_for_metrics=BitsPerByte.preprocess_logits_for_metrics,
-        callbacks=[ThroughputCallback(plan.flops_per_token),
-                   LossPlotCallback(("loss", "eval_bpb"))],
+        callbacks=[ThroughputCallback(plan.flops_per_token)],
     )
     if is_deepspeed_zero3_enabled():  # SampleCallback generates on rank 0 alone; ZeRO-3 needs every rank's shards
         logger.info("ZeRO-3: no samples at evaluation (SampleCallback generates on the main process only)")
@@ -366,20 +343,26 @@ def train_and_evaluate(trainer: L3GPTTrainer, core) -> dict:
     return metrics
 
 
-def reload_and_generate(output_dir: str, prompt: str) -> None:
-    """Reload the finished folder with `AutoModelForCausalLM` and continue `prompt` (greedy, 40 tokens): the folder
-    that `--push_to_hub` uploads is exactly this one."""
+def reload_and_generate(trainer: L3GPTTrainer, prompt: str) -> None:
+    """On the main process, reload the finished folder with `AutoModelForCausalLM` and continue `prompt` (greedy, 40
+    tokens): the folder that `--push_to_hub` uploads is exactly this one."""
+    if is_deepspeed_zero3_enabled():  # training is over: the reload on the main process alone must not
+        unset_hf_deepspeed_config()  # partition the model with zero.Init (a collective: it would hang or crash)
+    if not trainer.is_world_process_zero():
+        return
+    output_dir = trainer.args.output_dir
     model = AutoModelForCausalLM.from_pretrained(output_dir)
     tokenizer = load_tokenizer(output_dir)
     ids = [tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]
     with torch.no_grad():
         output = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
                                 pad_token_id=tokenizer.pad_token_id)
-    print("reloaded from", output_dir, "->", repr(tokenizer.decode(output[0, 1:], skip_special_tokens=True)))
+    logger.info("reloaded from %s -> %r", output_dir, tokenizer.decode(output[0, 1:], skip_special_tokens=True))
 
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     script_args, model_args, training_args = parse_recipe_args(make_parser())
     with exit_on_training_error():  # a NaN/inf loss: one error line, exit status 1
         main(script_args, training_args, model_args)

@@ -30,7 +30,7 @@ Any field can be overridden on the command line (`--help` lists the recipe's own
 --lora_target_modules all-linear`, `--val_split 0.05` or `--eval_file F`, `--early_stopping_patience 2`,
 `--packing`, `--merge`, `--push_to_hub --hub_model_id USER/NAME` (with a local base model: `--base_model_hub_id
 USER/BASE`, unless the base folder's metadata.json names its Hub repository). Every path and name given is checked
-before any work (`check_inputs`): a mistyped one ends the run with one line and exit status 2.
+before any work (`hfl3.trainers.inputs.check_sft_inputs`): a mistyped one ends the run with one line and exit status 2.
 
 Outputs in `--output_dir`: the adapter (`peft.AutoPeftModelForCausalLM.from_pretrained(output_dir)` from any working
 directory: a local base is named by its absolute path in `adapter_config.json`, a Hub base by its id, and the copy
@@ -44,38 +44,29 @@ packed conversations apart (block-diagonal mask, or sequence boundaries for flas
 """
 
 import logging
-import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import hfl3  # noqa: F401  (registers L3GPT; before transformers: keeps torchao's import-time warnings out)
-from transformers import AutoModelForCausalLM, AutoTokenizer, EarlyStoppingCallback, GgufConfig
+from transformers import AutoModelForCausalLM, EarlyStoppingCallback, GgufConfig
 from trl import ModelConfig, get_peft_config
 
-from hfl3.callbacks import save_loss_plot
 from hfl3.data.chat import write_chat_jsonl
 from hfl3.data.sft import load_sft_data
 from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.distributed import main_writes
-from hfl3.generation import answer_prompts
-from hfl3.atomic import write_json_atomic
 from hfl3.provenance import build_metadata, config_sha256
 from hfl3.trainers.guards import check_vocabulary_fits, exit_on_training_error
-from hfl3.trainers.launch import add_config_argument, check_launch, end_distributed_run, parse_recipe_args
-from hfl3.trainers.inputs import (
-    MODEL,
-    MODEL_FILES,
-    TOKENIZER,
-    TOKENIZER_FILES,
-    RecipeParser,
-    check_file,
-    check_hub_repo,
-    check_pretrained,
-    check_sft_dataset,
-    is_hub_id,
+from hfl3.trainers.inputs import RecipeParser, check_sft_inputs
+from hfl3.trainers.launch import LOG_FORMAT, add_config_argument, check_launch, end_distributed_run, parse_recipe_args
+from hfl3.trainers.outputs import base_model_hub_id, work_dir
+from hfl3.trainers.sft import (
+    HFL3SFTTrainer,
+    SFTLoRAConfig,
+    load_sft_tokenizer,
+    save_merged_model,
+    save_samples,
+    train_and_evaluate,
 )
-from hfl3.trainers.outputs import base_model_hub_id, prepare_output_dir, work_dir
-from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig, save_merged_model
 
 logger = logging.getLogger("hfl3.recipes.sft_lora")
 
@@ -139,104 +130,11 @@ class SFTModelArguments(ModelConfig):
             self.lora_target_modules = [self.lora_target_modules]
 
 
-def check_arguments(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_args: SFTModelArguments):
-    """Reject combinations that would train something else than asked; without evaluation data turn the default
-    evaluation off; resolve `eval_on_start`.
-
-    Raises:
-        ValueError: no model; no or two data sources (or two evaluation sources); `dataset_*` options without
-            `--dataset_name`; `use_peft=False`; evaluation, best-model loading or early stopping asked for without
-            evaluation data.
-    """
-    if not model_args.model_name_or_path:
-        raise ValueError("--model_name_or_path is required (a folder, a Hub id, or the folder of --gguf_file)")
-    sources = [name for name in ("dataset_name", "train_file", "stdlib_chats") if getattr(script_args, name)]
-    if len(sources) != 1:
-        raise ValueError("give exactly one of --dataset_name, --train_file and --stdlib_chats")
-    evaluation = [name for name in ("dataset_test_split", "val_split", "eval_file") if getattr(script_args, name)]
-    if len(evaluation) > 1:
-        raise ValueError(f"give at most one of --dataset_test_split, --val_split and --eval_file (got --"
-                         f"{' and --'.join(evaluation)})")
-    for name in ("dataset_config", "dataset_train_split", "dataset_test_split"):
-        if getattr(script_args, name) and not script_args.dataset_name:
-            raise ValueError(f"--{name} needs --dataset_name")
-    if not model_args.use_peft:
-        raise ValueError("this recipe trains LoRA adapters; --use_peft false is not supported")
-    has_eval = bool(evaluation)
-    if not has_eval and training_args.evaluate_by_default and not training_args.early_stopping_patience:
-        logger.info("no --dataset_test_split, --val_split or --eval_file: training without evaluation (no "
-                    "best-model selection)")
-        training_args.without_evaluation()
-    if training_args.eval_strategy != "no" and not has_eval:
-        raise ValueError(f"eval_strategy={training_args.eval_strategy.value} needs --dataset_test_split, "
-                         "--val_split or --eval_file")
-    if training_args.early_stopping_patience and not (has_eval and training_args.load_best_model_at_end):
-        raise ValueError("--early_stopping_patience needs evaluation data and --load_best_model_at_end true")
-    if training_args.eval_on_start is None:
-        training_args.eval_on_start = has_eval and not training_args.resume_from_checkpoint
-
-
-def check_inputs(script_args: SFTScriptArguments, model_args: SFTModelArguments, training_args: SFTLoRAConfig):
-    """Every path and name given, checked by the parser before any heavy work (`hfl3.trainers.inputs`): a bad one
-    is an argument error (one line, exit status 2). Also `prepare_output_dir` (output folder, resume checkpoint, a
-    push's `--hub_model_id` and network) and `check_arguments`; a push needs a Hub id for the base model
-    (`base_model_hub_id`).
-
-    Raises:
-        ValueError, OSError: one line naming the argument, the value and what was expected.
-    """
-    prepare_output_dir(training_args)  # first: check_arguments needs --resume_from_checkpoint latest resolved
-    check_arguments(script_args, training_args, model_args)
-    for argument in ("train_file", "eval_file"):
-        if getattr(script_args, argument):
-            check_file(argument, getattr(script_args, argument), 'a chat JSONL file (one {"messages": [...]} per line)')
-    if script_args.dataset_name:
-        splits = {"dataset_train_split": script_args.dataset_train_split or "train"}
-        if script_args.dataset_test_split:
-            splits["dataset_test_split"] = script_args.dataset_test_split
-        check_sft_dataset(script_args.dataset_name, script_args.dataset_config, splits)
-    if training_args.chat_template_path:
-        check_file("chat_template_path", training_args.chat_template_path, "a Jinja chat template file (applied "
-                   "before tokenization)", suffixes=(".jinja", ".j2"))
-    model, gguf = model_args.model_name_or_path, model_args.gguf_file
-    if gguf and Path(model).is_dir():
-        check_file("gguf_file", str(Path(model) / gguf), "a GGUF file inside --model_name_or_path", (".gguf",))
-    check_pretrained("model_name_or_path", model, MODEL, [gguf] if gguf else MODEL_FILES, model_args.model_revision)
-    if model_args.tokenizer_name_or_path:
-        check_pretrained("tokenizer_name_or_path", model_args.tokenizer_name_or_path, TOKENIZER, TOKENIZER_FILES)
-    if model_args.base_model_hub_id:
-        if not Path(model).is_dir():
-            raise ValueError(f"--base_model_hub_id {model_args.base_model_hub_id}: only for a local "
-                             f"--model_name_or_path; {model} is a Hub id already")
-        if not is_hub_id(model_args.base_model_hub_id):
-            raise ValueError(f"--base_model_hub_id {model_args.base_model_hub_id}: not a Hub repository id; expected "
-                             "USER/NAME, the Hub repository of --model_name_or_path")
-    if training_args.push_to_hub and base_model_hub_id(model, model_args.base_model_hub_id) is None:
-        raise ValueError(f"--push_to_hub: the base model {model} is a local folder with no Hub id in its "
-                         "metadata.json; pass --base_model_hub_id USER/NAME (its Hub repository), which the pushed "
-                         "adapter_config.json and model card name")
-    if training_args.push_to_hub and model_args.base_model_hub_id:
-        check_hub_repo("base_model_hub_id", model_args.base_model_hub_id, "the Hub repository of "
-                       "--model_name_or_path")
-
-
-def load_tokenizer(model_args: SFTModelArguments, training_args: SFTLoRAConfig):
-    """The tokenizer, with `chat_template_path` (a `.jinja` file) applied before masking and cleared so that TRL does
-    not apply it again (TRL's tokenizer-folder form would add tokens after the data were tokenized)."""
-    gguf = {"gguf_file": model_args.gguf_file} if model_args.gguf_file and not model_args.tokenizer_name_or_path else {}
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name_or_path or model_args.model_name_or_path,
-                                              trust_remote_code=training_args.trust_remote_code, **gguf)
-    if training_args.chat_template_path:
-        template = Path(training_args.chat_template_path)
-        tokenizer.chat_template, training_args.chat_template_path = template.read_text(encoding="utf-8"), None
-    return tokenizer
-
-
 def build_trainer(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_args: SFTModelArguments):
     """Tokenizer, masked data, base model, LoRA and trainer. Returns `(trainer, data, metadata)`; `metadata` is also
-    `trainer.provenance`, so every checkpoint carries it."""
-    check_arguments(script_args, training_args, model_args)
-    tokenizer = load_tokenizer(model_args, training_args)
+    `trainer.provenance`, so every checkpoint carries it. The arguments as `make_parser()` checked them
+    (`check_sft_inputs`)."""
+    tokenizer = load_sft_tokenizer(model_args, training_args)
     train_file = script_args.train_file
     if script_args.stdlib_chats:  # global rank 0 writes the file, every machine reads it (main_writes)
         train_file = work_dir(training_args.output_dir) / "stdlib_chats.jsonl"  # output_dir untouched until the end
@@ -250,6 +148,10 @@ def build_trainer(script_args: SFTScriptArguments, training_args: SFTLoRAConfig,
             dataset_test_split=script_args.dataset_test_split, val_split=script_args.val_split,
             seed=training_args.seed, max_length=training_args.max_length,
             skip_invalid_records=script_args.skip_invalid_records, dataset_num_proc=training_args.dataset_num_proc)
+    if training_args.local_process_index == 0:
+        for name, stats in data.stats.items():
+            logger.info("%s: %s", name, {k: v for k, v in stats.as_dict().items() if k != "first_errors"})
+        logger.info("train rows %d, eval rows %d", len(data.train), len(data.eval) if data.eval is not None else 0)
     # A GGUF file is dequantized into dense weights and loses its quantizer, which the Trainer refuses to train
     gguf = dict(gguf_file=model_args.gguf_file, quantization_config=GgufConfig(dequantize=True)) \
         if model_args.gguf_file else {}
@@ -280,70 +182,37 @@ def build_trainer(script_args: SFTScriptArguments, training_args: SFTLoRAConfig,
     return trainer, data, metadata
 
 
+def make_parser() -> RecipeParser:
+    """`TrlParser` over the script, model and training arguments, in that order so that `--help` lists the
+    recipe's own options first (after `--config`); it returns them in that order too, after `check_sft_inputs`."""
+    return add_config_argument(RecipeParser((SFTScriptArguments, SFTModelArguments, SFTLoRAConfig), check_sft_inputs))
+
+
 def main(script_args: SFTScriptArguments, training_args: SFTLoRAConfig, model_args: SFTModelArguments) -> dict:
     """Train (evaluating at step 0 and after, when there is evaluation data), save the adapter with provenance,
-    optionally merge and push. Returns the results written to `all_results.json`."""
-    prepare_output_dir(training_args)  # refuse a non-empty output_dir; resolve --resume_from_checkpoint latest
+    optionally merge and push, on the arguments as `make_parser()` parsed and checked them (output folder prepared,
+    resume checkpoint resolved). Returns the results written to `all_results.json`."""
     check_launch(training_args)  # refuse a distributed setup that accelerate silently replaced
     trainer, data, metadata = build_trainer(script_args, training_args, model_args)
-    log = trainer.accelerator.print
-    for name, stats in data.stats.items():
-        log(f"[hfl3] {name}: { {k: v for k, v in stats.as_dict().items() if k != 'first_errors'} }")
-    log(f"[hfl3] train rows {len(data.train)}, eval rows {len(data.eval) if data.eval is not None else 0}")
-
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    results = {**eval_before(trainer.state.log_history), **train_result.metrics}
-    if data.eval is not None:
-        results.update(trainer.evaluate())
-    results["train_supervised_tokens"] = int(data.train_supervised_tokens * (trainer.state.epoch or 0.0))
-    # Wall time of trainer.train, which includes the evaluations and checkpoint saves made during training
-    results["train_supervised_tokens_per_second"] = results["train_supervised_tokens"] / results["train_runtime"]
-    results["global_step"] = trainer.state.global_step
-    results["best_model_checkpoint"] = trainer.state.best_model_checkpoint
-    for key in ("eval_before_loss", "eval_loss", "eval_perplexity", "train_supervised_tokens_per_second"):
-        if isinstance(results.get(key), float) and math.isfinite(results[key]):
-            log(f"[hfl3] {key} = {results[key]:.4f}")
-
+    results = train_and_evaluate(trainer, data.train_supervised_tokens)
     trainer.provenance = {**metadata, "results": results}
     with trainer.finish_output() as folder:  # staged, committed whole when the block completes
         trainer.save_metrics("all", results)
         trainer.save_state()
-        history = trainer.state.log_history
-        if trainer.is_world_process_zero() and any("loss" in e or "eval_loss" in e for e in history):
-            save_loss_plot(history, folder / "loss.png", ("loss", "eval_loss"))
+        trainer.save_loss_plot(("loss", "eval_loss"))
         trainer.save_model()
-        if script_args.sample_prompts and trainer.is_world_process_zero():
-            samples = answer_prompts(
-                trainer.model, trainer.processing_class, script_args.sample_prompts, script_args.max_new_tokens,
-                end_of_turn=data.provenance["end_of_turn"],
-            )
-            write_json_atomic(folder / "samples.json", samples)
-            for sample in samples:
-                log(f"[hfl3] Q: {sample['prompt']}\n[hfl3] A: {sample['answer']}")
-        if script_args.merge and trainer.is_world_process_zero():
+        if script_args.sample_prompts:
+            save_samples(trainer, script_args.sample_prompts, script_args.max_new_tokens,
+                         data.provenance["end_of_turn"])
+        if script_args.merge:
             save_merged_model(trainer, folder / "merged", trainer.provenance)
-            log(f"[hfl3] merged model written to {training_args.output_dir}/merged")
-    if url := trainer.push_output("merged" if script_args.merge else None):
-        log(f"[hfl3] pushed to {url}")
+    if url := trainer.push_output("merged" if script_args.merge else None):  # the main process pushes
+        logger.info("pushed to %s", url)
     return results
 
 
-def eval_before(log_history: list[dict]) -> dict:
-    """The step-0 evaluation (`eval_on_start`) renamed `eval_before_*`; empty when there was none."""
-    for entry in log_history:
-        if entry.get("step") == 0 and "eval_loss" in entry:
-            return {k.replace("eval_", "eval_before_", 1): v for k, v in entry.items() if k.startswith("eval_")}
-    return {}
-
-
-def make_parser() -> RecipeParser:
-    """`TrlParser` over the script, model and training arguments, in that order so that `--help` lists the
-    recipe's own options first (after `--config`); it returns them in that order too, after `check_inputs`."""
-    return add_config_argument(RecipeParser((SFTScriptArguments, SFTModelArguments, SFTLoRAConfig), check_inputs))
-
-
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     script_args, model_args, training_args = parse_recipe_args(make_parser())
     with exit_on_training_error():  # a NaN/inf loss: one error line, exit status 1
         main(script_args, training_args, model_args)

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from hfl3.data.chat import InvalidChatRecord, read_chat_jsonl
 from hfl3.data.sft import load_sft_data
+from hfl3.trainers.inputs import check_sft_arguments
 from hfl3.trainers.sft import SFTLoRAConfig
 
 
@@ -188,4 +189,4 @@ def test_recipe_stops_before_loading_the_model(tmp_path, assets, sft_recipe):
         sft_recipe.build_trainer(script, SFTLoRAConfig(output_dir=str(tmp_path / "out")), model)
     asked_to_evaluate = SFTLoRAConfig(output_dir=str(tmp_path), eval_strategy="steps")
     with pytest.raises(ValueError, match="needs --dataset_test_split, --val_split or --eval_file"):
-        sft_recipe.build_trainer(sft_recipe.SFTScriptArguments(train_file=str(data)), asked_to_evaluate, model)
+        check_sft_arguments(sft_recipe.SFTScriptArguments(train_file=str(data)), asked_to_evaluate, model)

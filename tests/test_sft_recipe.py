@@ -127,7 +127,7 @@ def test_recipe_writes_a_complete_loadable_folder(recipe_run, l3gpt_folder):
         base_logits = AutoModelForCausalLM.from_pretrained(l3gpt_folder)(tokens).logits
         assert not torch.allclose(merged(tokens).logits, base_logits)
     samples = json.loads((output_dir / "samples.json").read_text())
-    assert samples[0]["prompt"] == "what is this?" and "[hfl3] Q: what is this?" in log
+    assert samples[0]["prompt"] == "what is this?" and "Q: what is this?" in log
 
 
 @pytest.mark.slow
@@ -364,7 +364,7 @@ def test_cpu_defaults_differ_from_trl_where_documented(tmp_path, sft_recipe):
 
 def run_recipe(recipe, caplog, *arguments: str) -> tuple[dict, object]:
     """`recipes/sft_lora.py ARGUMENTS` in this process (as its `__main__` does); returns the results and the args."""
-    with caplog.at_level("INFO", logger="hfl3.recipes.sft_lora"):  # the arguments are checked while parsed
+    with caplog.at_level("INFO", logger="hfl3"):  # the arguments are checked while parsed (hfl3.trainers.inputs)
         script, model, args = parse_recipe_args(recipe.make_parser(), [*arguments, "--disable_tqdm", "true"])
         return recipe.main(script, args, model), args
 

@@ -77,19 +77,24 @@ def save_loss_plot(log_history: Sequence[dict], path: str | os.PathLike, metrics
     return path
 
 
+def save_loss_png(log_history: Sequence[dict], folder: str | os.PathLike, metrics: Sequence[str]) -> Path | None:
+    """`save_loss_plot` into `folder/loss.png`; when none of `metrics` was logged, a warning and None."""
+    if not any(metric in entry for entry in log_history for metric in metrics):
+        logger.warning("no %s logged (run shorter than logging_steps?): loss.png not written", tuple(metrics))
+        return None
+    return save_loss_plot(log_history, Path(folder) / "loss.png", metrics)
+
+
 class LossPlotCallback(TrainerCallback):
-    """Writes `loss.png` (the given metrics over steps) into `args.output_dir` at the end of training (main process)."""
+    """Writes `loss.png` (the given metrics over steps) into `args.output_dir` at the end of training (main process;
+    the recipes write theirs into the finished folder instead, `OutputFolderMixin.save_loss_plot`)."""
 
     def __init__(self, metrics: Sequence[str] = ("loss", "eval_loss")):
         self.metrics = tuple(metrics)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        if not any(metric in entry for entry in state.log_history for metric in self.metrics):
-            logger.warning("no %s logged (run shorter than logging_steps?): loss.png not written", self.metrics)
-            return
-        save_loss_plot(state.log_history, Path(args.output_dir) / "loss.png", self.metrics)
+        if state.is_world_process_zero:
+            save_loss_png(state.log_history, args.output_dir, self.metrics)
 
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets; H100/H200 SXM 989 TFLOP/s as nanochat uses).

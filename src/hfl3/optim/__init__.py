@@ -2,7 +2,7 @@
 one-line construction for the HF Trainer (`create_muon_optimizer`) and its settings, each declared once
 (`GroupLearningRates`, `MuonSettings`)."""
 
-from .groups import create_muon_optimizer, param_groups_by_kind
+from .groups import create_muon_optimizer, muon_optimizer, param_groups_by_kind
 from .launch_checks import refuse_unsupported_sharding
 from .muon import MuonAdamW
 from .settings import GroupLearningRates, MuonSettings
@@ -14,6 +14,7 @@ __all__ = [
     "MuonSettings",
     "create_muon_optimizer",
     "muon_momentum",
+    "muon_optimizer",
     "normuon_rescale",
     "orthogonalize",
     "param_groups_by_kind",

@@ -1,12 +1,24 @@
-"""Upload a finished output folder to the Hugging Face Hub."""
+"""Hub repository ids, and the upload of a finished output folder to the Hugging Face Hub."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
 # What an upload leaves out: checkpoints, a merged model pushed on its own, temporary files and the staging area
 IGNORED = ("checkpoint-*", "checkpoint-*/**", "merged/**", "*.tmp", ".*", "_hfl3*")
+
+
+def is_hub_id(value: str) -> bool:
+    """Whether `value` is a valid Hub repository id (`name` or `namespace/name`, huggingface_hub's rules)."""
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
 
 
 def push_folder_to_hub(

@@ -11,10 +11,14 @@ How a value is read:
   `HUB_TIMEOUT_S` timeout and no retry: a mistyped name fails in about a second instead of after the loaders'
   retries (transformers 5.23 waits ~50 s before it reports an unreachable Hub).
 
-The recipes run their `check_inputs` from the parser (`RecipeParser`), so that `hfl3.trainers.launch.
-parse_recipe_args` reports the `ValueError` as an argument error: the usage line, `PROG: error: <message>`, exit
-status 2, no traceback. A new argument that takes a path calls `check_file`, `check_folder` or `check_pretrained`
-from its recipe's `check_inputs`.
+Every check of a recipe's arguments runs once, in one pass, from its parser (`RecipeParser`): `check_pretrain_inputs`
+(`recipes/pretrain.py`) and `check_sft_inputs` (`recipes/sft_lora.py`, with `check_sft_arguments`), so that
+`hfl3.trainers.launch.parse_recipe_args` reports the `ValueError` as an argument error: the usage line, `PROG: error:
+<message>`, exit status 2, no traceback. A new argument that takes a path calls `check_file`, `check_folder` or
+`check_pretrained` from there. What is checked elsewhere, and why: values that need no other argument, in the
+config classes' `__post_init__` (`check_training_arguments`); the launch as accelerate set it up, first in `main`
+(`hfl3.trainers.launch.check_launch`: it needs the process group); what Muon cannot run under, when the Trainer
+exists (`hfl3.optim.refuse_unsupported_sharding`: it reads accelerate's state).
 """
 
 from __future__ import annotations
@@ -28,20 +32,16 @@ from pathlib import Path
 
 import huggingface_hub
 from huggingface_hub import constants
-from huggingface_hub.errors import (
-    GatedRepoError,
-    HfHubHTTPError,
-    HFValidationError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.file_download import repo_folder_name
-from huggingface_hub.utils import validate_repo_id
 from trl import TrlParser
 
 from hfl3.data.sft_sources import BUILDERS, dataset_splits
 from hfl3.data.sources import LOCAL_SUFFIXES
 from hfl3.distributed import check_same_on_all_ranks, on_all_ranks
+from hfl3.evaluate import check_core_bundle
+from hfl3.provenance.hub import is_hub_id
+from hfl3.trainers.outputs import base_model_hub_id, prepare_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -90,15 +90,6 @@ def launch_arguments(parsed: Sequence) -> dict[str, str]:
     return {field.name: json.dumps(getattr(values, field.name), default=str, sort_keys=True)
             for values in parsed for field in dataclasses.fields(values)
             if field.init and field.name not in PER_MACHINE_ARGUMENTS}
-
-
-def is_hub_id(value: str) -> bool:
-    """Whether `value` is a valid Hub repository id (`name` or `namespace/name`, huggingface_hub's rules)."""
-    try:
-        validate_repo_id(value)
-    except HFValidationError:
-        return False
-    return True
 
 
 def _error(argument: str, value, problem: str, expected: str) -> ValueError:
@@ -256,3 +247,101 @@ def check_sft_dataset(name: str, config: str | None = None, splits: dict[str, st
         if available is not None and split not in available:
             raise ValueError(f"--{argument} {split}: --dataset_name {name} has no such split; it has "
                              f"{', '.join(sorted(available))}")
+
+
+def check_pretrain_inputs(script_args, model_args, training_args) -> None:
+    """`recipes/pretrain.py`'s arguments, run by its parser: the output folder, resume checkpoint and push
+    (`prepare_output_dir`), the corpora, the CORE bundle and the tokenizer. A dry run reads no data and leaves the
+    output folder alone: only its tokenizer is checked.
+
+    Raises:
+        ValueError, OSError: one line naming the argument, the value and what was expected.
+    """
+    if not script_args.dry_run:
+        prepare_output_dir(training_args)
+        check_corpus("dataset", script_args.dataset)
+        if script_args.eval_dataset:
+            check_corpus("eval_dataset", script_args.eval_dataset)
+        check_core_bundle(training_args)
+    if script_args.tokenizer_name_or_path:
+        check_pretrained("tokenizer_name_or_path", script_args.tokenizer_name_or_path, TOKENIZER, TOKENIZER_FILES)
+
+
+def check_sft_inputs(script_args, model_args, training_args) -> None:
+    """`recipes/sft_lora.py`'s arguments, run by its parser: `prepare_output_dir` (output folder, resume checkpoint,
+    a push's `--hub_model_id` and network), `check_sft_arguments`, then every path and name given; a push needs a
+    Hub id for the base model (`base_model_hub_id`).
+
+    Raises:
+        ValueError, OSError: one line naming the argument, the value and what was expected.
+    """
+    prepare_output_dir(training_args)  # first: check_sft_arguments needs --resume_from_checkpoint latest resolved
+    check_sft_arguments(script_args, training_args, model_args)
+    for argument in ("train_file", "eval_file"):
+        if getattr(script_args, argument):
+            check_file(argument, getattr(script_args, argument), 'a chat JSONL file (one {"messages": [...]} per line)')
+    if script_args.dataset_name:
+        splits = {"dataset_train_split": script_args.dataset_train_split or "train"}
+        if script_args.dataset_test_split:
+            splits["dataset_test_split"] = script_args.dataset_test_split
+        check_sft_dataset(script_args.dataset_name, script_args.dataset_config, splits)
+    if training_args.chat_template_path:
+        check_file("chat_template_path", training_args.chat_template_path, "a Jinja chat template file (applied "
+                   "before tokenization)", suffixes=(".jinja", ".j2"))
+    model, gguf = model_args.model_name_or_path, model_args.gguf_file
+    if gguf and Path(model).is_dir():
+        check_file("gguf_file", str(Path(model) / gguf), "a GGUF file inside --model_name_or_path", (".gguf",))
+    check_pretrained("model_name_or_path", model, MODEL, [gguf] if gguf else MODEL_FILES, model_args.model_revision)
+    if model_args.tokenizer_name_or_path:
+        check_pretrained("tokenizer_name_or_path", model_args.tokenizer_name_or_path, TOKENIZER, TOKENIZER_FILES)
+    if model_args.base_model_hub_id:
+        if not Path(model).is_dir():
+            raise ValueError(f"--base_model_hub_id {model_args.base_model_hub_id}: only for a local "
+                             f"--model_name_or_path; {model} is a Hub id already")
+        if not is_hub_id(model_args.base_model_hub_id):
+            raise ValueError(f"--base_model_hub_id {model_args.base_model_hub_id}: not a Hub repository id; expected "
+                             "USER/NAME, the Hub repository of --model_name_or_path")
+    if training_args.push_to_hub and base_model_hub_id(model, model_args.base_model_hub_id) is None:
+        raise ValueError(f"--push_to_hub: the base model {model} is a local folder with no Hub id in its "
+                         "metadata.json; pass --base_model_hub_id USER/NAME (its Hub repository), which the pushed "
+                         "adapter_config.json and model card name")
+    if training_args.push_to_hub and model_args.base_model_hub_id:
+        check_hub_repo("base_model_hub_id", model_args.base_model_hub_id, "the Hub repository of "
+                       "--model_name_or_path")
+
+
+def check_sft_arguments(script_args, training_args, model_args) -> None:
+    """Reject SFT argument combinations that would train something else than asked; without evaluation data turn
+    the default evaluation off (`SFTLoRAConfig.without_evaluation`, one log line says so); resolve `eval_on_start`.
+
+    Raises:
+        ValueError: no model; no or two data sources (or two evaluation sources); `dataset_*` options without
+            `--dataset_name`; `use_peft=False`; evaluation, best-model loading or early stopping asked for without
+            evaluation data.
+    """
+    if not model_args.model_name_or_path:
+        raise ValueError("--model_name_or_path is required (a folder, a Hub id, or the folder of --gguf_file)")
+    sources = [name for name in ("dataset_name", "train_file", "stdlib_chats") if getattr(script_args, name)]
+    if len(sources) != 1:
+        raise ValueError("give exactly one of --dataset_name, --train_file and --stdlib_chats")
+    evaluation = [name for name in ("dataset_test_split", "val_split", "eval_file") if getattr(script_args, name)]
+    if len(evaluation) > 1:
+        raise ValueError(f"give at most one of --dataset_test_split, --val_split and --eval_file (got --"
+                         f"{' and --'.join(evaluation)})")
+    for name in ("dataset_config", "dataset_train_split", "dataset_test_split"):
+        if getattr(script_args, name) and not script_args.dataset_name:
+            raise ValueError(f"--{name} needs --dataset_name")
+    if not model_args.use_peft:
+        raise ValueError("this recipe trains LoRA adapters; --use_peft false is not supported")
+    has_eval = bool(evaluation)
+    if not has_eval and training_args.evaluate_by_default and not training_args.early_stopping_patience:
+        logger.info("no --dataset_test_split, --val_split or --eval_file: training without evaluation (no "
+                    "best-model selection)")
+        training_args.without_evaluation()
+    if training_args.eval_strategy != "no" and not has_eval:
+        raise ValueError(f"eval_strategy={training_args.eval_strategy.value} needs --dataset_test_split, "
+                         "--val_split or --eval_file")
+    if training_args.early_stopping_patience and not (has_eval and training_args.load_best_model_at_end):
+        raise ValueError("--early_stopping_patience needs evaluation data and --load_best_model_at_end true")
+    if training_args.eval_on_start is None:
+        training_args.eval_on_start = has_eval and not training_args.resume_from_checkpoint

@@ -15,6 +15,9 @@ import yaml
 
 logger = logging.getLogger(__name__)
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""The recipes' log lines (`logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)` in their `__main__`)."""
+
 
 def add_config_argument(parser):
     """Document `--config FILE` in the recipe's `--help`, first among the options, and shorten the usage line to

@@ -20,7 +20,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, speed_metrics
 
 from hfl3.atomic import write_json_atomic
+from hfl3.callbacks import save_loss_png
 from hfl3.distributed import (
     SeparateDisks,
     broadcast_model_from_main,
@@ -308,6 +309,13 @@ class OutputFolderMixin:
             shutil.rmtree(final / STAGING, ignore_errors=True)
             remove_empty_parents(final / STAGING, stop=final)
         self.accelerator.wait_for_everyone()
+
+    def save_loss_plot(self, metrics: Sequence[str] = ("loss", "eval_loss")) -> None:
+        """`loss.png` in `args.output_dir` (inside `finish_output`, the staged folder): `metrics` over the steps of
+        the log history, written by the main process (`hfl3.callbacks.save_loss_png`: a warning when none was
+        logged)."""
+        if self.is_world_process_zero():
+            save_loss_png(self.state.log_history, self.args.output_dir, metrics)
 
     def save_metrics(self, split, metrics, combined=True):
         """`Trainer.save_metrics` with the values made `portable` (a `best_model_checkpoint` is a local path)."""

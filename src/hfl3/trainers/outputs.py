@@ -31,7 +31,7 @@ from huggingface_hub import constants as hub_constants
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hfl3.distributed import SeparateDisks, checkpoint_on_this_machine, from_main, on_all_ranks, separate_disks
-from hfl3.trainers.inputs import is_hub_id
+from hfl3.provenance.hub import is_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +92,8 @@ def resolve_checkpoint(output_dir: str | os.PathLike, resume_from_checkpoint: st
 
 def prepare_output_dir(args) -> str | None:
     """Check and resolve where a run writes, before any data or model work. Sets `args.resume_from_checkpoint` to
-    the checkpoint folder to resume from (or None) and returns it. The recipes call it while parsing their arguments
-    (so a refusal is an argument error, exit status 2) and again first in `main`, where a resolved checkpoint is a
-    plain path: nothing is repeated but the checks.
+    the checkpoint folder to resume from (or None) and returns it. The recipes call it once, while parsing their
+    arguments (so a refusal is an argument error, exit status 2); their `main` gets the resolved checkpoint.
 
     `--resume_from_checkpoint latest` (or `true`) means the newest complete checkpoint of `output_dir`; with none
     there the run starts from scratch (a warning says so), so a restart loop can always pass it.

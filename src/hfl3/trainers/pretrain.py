@@ -287,7 +287,7 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
         if getattr(self.args, "use_muon", False):
             from hfl3.optim import refuse_unsupported_sharding
 
-            # Here, not only in create_optimizer: a DeepSpeed config with its own optimizer section skips that.
+            # Here, not in create_optimizer: a DeepSpeed config with its own optimizer section skips that.
             refuse_unsupported_sharding(self.args)
 
     def get_train_dataloader(self):
@@ -341,7 +341,7 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
         super().create_optimizer_and_scheduler(num_training_steps)
 
     def create_optimizer(self, model=None):
-        """`use_muon`: `hfl3.optim.create_muon_optimizer` with the config's group LRs; otherwise the Trainer's own
+        """`use_muon`: `hfl3.optim.muon_optimizer` with the config's group LRs; otherwise the Trainer's own
         optimizer (`--optim`), weight decay on >= 2-D weights only. Every group's LR is multiplied by
         `args.batch_lr_scale` (the compute-optimal dial's √(B/2^19); Muon: but the smear group's, as nanochat)."""
         if self.optimizer is not None:
@@ -351,10 +351,10 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
             for group in self.optimizer.param_groups:  # before create_scheduler records the groups' initial_lr
                 group["lr"] *= self.args.batch_lr_scale
             return self.optimizer
-        from hfl3.optim import create_muon_optimizer
+        from hfl3.optim import muon_optimizer  # the setup was refused in __init__ if Muon cannot run under it
 
-        self.optimizer = create_muon_optimizer(model or self.model, self.args, batch_lr_scale=self.args.batch_lr_scale,
-                                               num_training_steps=getattr(self, "_num_training_steps", None))
+        self.optimizer = muon_optimizer(model or self.model, self.args, batch_lr_scale=self.args.batch_lr_scale,
+                                        num_training_steps=getattr(self, "_num_training_steps", None))
         return self.optimizer
 
     def get_decay_parameter_names(self, model) -> list[str]:

@@ -1,6 +1,7 @@
-"""LoRA SFT on chat data: `SFTLoRAConfig(SFTConfig)`, `HFL3SFTTrainer(SFTTrainer)` and `save_merged_model`; the
-output folder (staging, provenance, card, push) is `hfl3.trainers.output_mixins`'. `recipes/sft_lora.py` loads the
-model and data and runs them."""
+"""LoRA SFT on chat data: `SFTLoRAConfig(SFTConfig)`, `HFL3SFTTrainer(SFTTrainer)`, the tokenizer
+(`load_sft_tokenizer`), the run's results (`train_and_evaluate`) and the extra outputs (`save_samples`,
+`save_merged_model`); the output folder (staging, provenance, card, loss plot, push) is
+`hfl3.trainers.output_mixins`'. `recipes/sft_lora.py` loads the model and data and runs them."""
 
 import logging
 import math
@@ -10,10 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 from transformers.trainer_utils import IntervalStrategy
 from trl import SFTConfig, SFTTrainer
 
 import hfl3  # noqa: F401  (registers L3GPT with the Auto classes)
+from hfl3.atomic import write_json_atomic
+from hfl3.generation import answer_prompts
 from hfl3.provenance import stamp_folder
 from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
 from hfl3.trainers.cards import sft_model_card, usage_name
@@ -39,10 +43,10 @@ class SFTLoRAConfig(SFTConfig):
             `eval_steps` (a checkpoint at every evaluation, as `load_best_model_at_end` needs).
         load_best_model_at_end: None -> True when evaluating; metric_for_best_model: "eval_loss".
         save_total_limit: 2 (the best and the latest checkpoint survive).
-        eval_on_start: None -> True when there is evaluation data and the run does not resume (the recipe's
-            `check_arguments`); the recipe reports that step-0 evaluation as `eval_before_*`. It runs inside
-            `train()`: an evaluate() before train() would prepare the model for inference only (no DDP wrapper, a
-            ZeRO inference engine).
+        eval_on_start: None -> True when there is evaluation data and the run does not resume
+            (`hfl3.trainers.inputs.check_sft_arguments`); the recipe reports that step-0 evaluation as
+            `eval_before_*`. It runs inside `train()`: an evaluate() before train() would prepare the model for
+            inference only (no DDP wrapper, a ZeRO inference engine).
         dataset_kwargs: None -> `{"skip_prepare_dataset": True}` unless packing: the rows come tokenized, masked and
             truncated to `max_length` (`hfl3.data.sft.load_sft_data`), and TRL's preparation would only copy them
             twice (truncating again, dropping rows without a label, of which there are none).
@@ -235,14 +239,69 @@ class HFL3SFTTrainer(NonFiniteGuard, SFTOutputs, SFTTrainer):  # NonFiniteGuard 
         return output
 
 
-def save_merged_model(trainer: HFL3SFTTrainer, folder: str | os.PathLike, metadata: dict) -> Path:
+def save_merged_model(trainer: HFL3SFTTrainer, folder: str | os.PathLike, metadata: dict) -> Path | None:
     """Merge the LoRA weights into the base model (`merge_and_unload`, in place: call last) and save a full model
     loadable with `AutoModelForCausalLM.from_pretrained` (L3GPT: after `import hfl3`), with tokenizer and
-    provenance."""
+    provenance; on the main process (the others return None), which logs where."""
+    if not trainer.is_world_process_zero():
+        return None
     folder = Path(folder)
     merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
     merged.save_pretrained(folder)
     trainer.processing_class.save_pretrained(folder)
     merged_metadata = {**metadata, "merged": True}
     stamp_folder(folder, merged_metadata, sft_model_card(merged_metadata, usage_name(trainer, folder), adapter=False))
+    logger.info("merged model written to %s", Path(trainer.final_output_dir) / folder.name)
     return folder
+
+
+def load_sft_tokenizer(model_args, training_args):
+    """The tokenizer of `model_args` (`tokenizer_name_or_path`, else the model's, or its GGUF file's), with
+    `training_args.chat_template_path` (a `.jinja` file) applied before masking and cleared so that TRL does not apply
+    it again (TRL's tokenizer-folder form would add tokens after the data were tokenized)."""
+    gguf = {"gguf_file": model_args.gguf_file} if model_args.gguf_file and not model_args.tokenizer_name_or_path else {}
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name_or_path or model_args.model_name_or_path,
+                                              trust_remote_code=training_args.trust_remote_code, **gguf)
+    if training_args.chat_template_path:
+        template = Path(training_args.chat_template_path)
+        tokenizer.chat_template, training_args.chat_template_path = template.read_text(encoding="utf-8"), None
+    return tokenizer
+
+
+def train_and_evaluate(trainer: HFL3SFTTrainer, train_supervised_tokens: int) -> dict:
+    """Train (resuming when asked), evaluate when there is evaluation data, and return the run's results: the step-0
+    evaluation as `eval_before_*`, the Trainer's training metrics, the final evaluation's, `train_supervised_tokens`
+    (those of one epoch, `train_supervised_tokens`, times the epochs trained) and their rate over `train_runtime`
+    (which includes the evaluations and checkpoint saves made during training), `global_step` and
+    `best_model_checkpoint`. The losses, perplexity and rate are logged (local main process)."""
+    train_result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    results = {**eval_before(trainer.state.log_history), **train_result.metrics}
+    if trainer.eval_dataset is not None:
+        results.update(trainer.evaluate())
+    results["train_supervised_tokens"] = int(train_supervised_tokens * (trainer.state.epoch or 0.0))
+    results["train_supervised_tokens_per_second"] = results["train_supervised_tokens"] / results["train_runtime"]
+    results["global_step"] = trainer.state.global_step
+    results["best_model_checkpoint"] = trainer.state.best_model_checkpoint
+    for key in ("eval_before_loss", "eval_loss", "eval_perplexity", "train_supervised_tokens_per_second"):
+        if isinstance(results.get(key), float) and math.isfinite(results[key]) and trainer.is_local_process_zero():
+            logger.info("%s = %.4f", key, results[key])
+    return results
+
+
+def eval_before(log_history: list[dict]) -> dict:
+    """The step-0 evaluation (`eval_on_start`) renamed `eval_before_*`; empty when there was none."""
+    for entry in log_history:
+        if entry.get("step") == 0 and "eval_loss" in entry:
+            return {k.replace("eval_", "eval_before_", 1): v for k, v in entry.items() if k.startswith("eval_")}
+    return {}
+
+
+def save_samples(trainer: HFL3SFTTrainer, prompts: list[str], max_new_tokens: int, end_of_turn: str | None) -> None:
+    """`samples.json` in `args.output_dir` (the staged folder inside `finish_output`): the trained model's greedy
+    answers to `prompts` (`hfl3.generation.answer_prompts`), written and logged by the main process."""
+    if not trainer.is_world_process_zero():
+        return
+    samples = answer_prompts(trainer.model, trainer.processing_class, prompts, max_new_tokens, end_of_turn=end_of_turn)
+    write_json_atomic(Path(trainer.args.output_dir) / "samples.json", samples)
+    for sample in samples:
+        logger.info("Q: %s\nA: %s", sample["prompt"], sample["answer"])
