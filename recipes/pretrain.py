@@ -139,14 +139,15 @@ def make_parser() -> RecipeParser:
     return add_config_argument(RecipeParser((ScriptArguments, ModelArguments, PretrainConfig), check_pretrain_inputs))
 
 
-def plan_run(model_args: ModelArguments, training_args: PretrainConfig, vocab_size: int) -> ComputeOptimalPlan:
+def plan_run(model_args: ModelArguments, training_args: PretrainConfig, vocab_size: int,
+             show: bool = True) -> ComputeOptimalPlan:
     """nanochat's compute-optimal plan for this model at `vocab_size` (reference: the same model arguments at depth
     12 without L3 layers, nanochat's `build_model_meta(12)`), computed by global rank 0 for every rank, its table
-    logged by the main process."""
+    logged by the main process when `show`. Raises `ValueError` for a batch or budget that cannot be planned."""
     max_length = training_args.max_length
     reference = replace(model_args, depth=REFERENCE_DEPTH, l3_after_layers=None).config(vocab_size, max_length)
     plan = from_main(lambda: compute_optimal_plan(model_args.config(vocab_size, max_length), reference, training_args))
-    if training_args.process_index == 0:
+    if show and training_args.process_index == 0:
         logger.info("%s", plan.table())
     return plan
 
@@ -258,6 +259,8 @@ def main(script_args: ScriptArguments, training_args: PretrainConfig, model_args
         return plan_run(model_args, training_args, vocab_size).as_dict()
     core_bundle = core_bundle_for_training(training_args)  # --core_metric_every: read (or downloaded) before the data
     documents = open_data(script_args, training_args.seed)
+    if not (script_args.tokenizer_name_or_path or training_args.resume_from_checkpoint):
+        plan_run(model_args, training_args, script_args.vocab_size, show=False)  # its errors before the BPE is trained
     tokenizer = prepare_tokenizer(script_args, training_args, documents[0])
     plan = plan_run(model_args, training_args, len(tokenizer))  # sized before any row is packed
     training_args.apply_compute_optimal_plan(plan)
