@@ -100,12 +100,15 @@ def _outcome(fn: Callable[[], Any]) -> tuple:
     try:
         return True, fn(), None
     except Exception as error:  # travels to the other ranks, which raise it too
-        return False, None, (type(error).__name__, str(error))
+        kind = type(error)  # hfl3's own subclass of a built-in error travels as itself (pickled by its name)
+        own = kind.__module__.startswith("hfl3.") and "<locals>" not in kind.__qualname__ and issubclass(
+            kind, tuple(_ERRORS.values()))
+        return False, None, (kind.__name__, str(error), kind if own else None)
 
 
-def _raise(error: tuple[str, str], suffix: str = "") -> None:
-    name, message = error
-    kind = _ERRORS.get(name)
+def _raise(error: tuple, suffix: str = "") -> None:
+    name, message, own = error
+    kind = own or _ERRORS.get(name)
     raise (kind(message + suffix) if kind else RuntimeError(f"{name}: {message}{suffix}"))
 
 
@@ -114,8 +117,8 @@ def on_all_ranks(fn: Callable[[], Any]) -> list:
 
     Raises:
         The first failing rank's error, on every rank, with its own type when it is a built-in one (`ValueError`,
-        `OSError`, ...; else `RuntimeError`) and its message; ` (on machine M, rank R)` is added when not every rank
-        failed the same way.
+        `OSError`, ...) or hfl3's own subclass of one (`PlanError`), else `RuntimeError`, and its message;
+        ` (on machine M, rank R)` is added when not every rank failed the same way.
     """
     if not initialized():
         return [fn()]

@@ -37,6 +37,13 @@ def _worker(rank: int, root: str) -> None:
 
     seen["on_all_ranks"] = _outcome(lambda: distributed.on_all_ranks(missing_on_machine_1))
     seen["from_main"] = _outcome(lambda: distributed.from_main(lambda: int("not a number") if rank == 0 else 1))
+
+    def unplannable():
+        from hfl3.trainers.compute_optimal import PlanError
+
+        raise PlanError("target_flops=1 is less than one step")
+
+    seen["own_error"] = _outcome(lambda: distributed.from_main(unplannable))  # hfl3's own type, for the recipes' line
     seen["same"] = _outcome(lambda: distributed.check_same_on_all_ranks({"max_steps": 10 + rank, "seed": 0},
                                                                        "the arguments", "start the same command"))
     with distributed.main_writes(Path("work") / "tokenizer") as writing:
@@ -78,6 +85,7 @@ def test_errors_files_and_checkpoints_cross_machines(tmp_path):
         assert seen["on_all_ranks"] == ("FileNotFoundError: --train_file data.jsonl: no such file (on machine 1, "
                                         "rank 1)")
         assert seen["from_main"] == "ValueError: invalid literal for int() with base 10: 'not a number'"
+        assert seen["own_error"] == "PlanError: target_flops=1 is less than one step"
         assert seen["same"].startswith("ValueError: the arguments differs between machine 0 (rank 0) and machine 1, "
                                        "rank 1: max_steps: 10 vs 11; start the same command")
         assert seen["handed_over"] == {"sub/empty": "", "tokenizer.json": '{"model": "bpe"}'}

@@ -88,18 +88,25 @@ def auto_total_batch_size(target_tokens: float, reference_tokens: float) -> int:
     return 2 ** round(math.log2(predicted))
 
 
+class PlanError(ValueError):
+    """A run the dial cannot size (a batch that does not divide, a budget under one step, a contradicting
+    `--gradient_accumulation_steps`); the message names the numbers and the fix. Raised at parse time by the
+    arguments' own checks, or by `compute_optimal_plan` once the model is known: the recipes end with it in one line,
+    exit status 2 (`hfl3.trainers.guards.exit_on_training_error`)."""
+
+
 def derive_gradient_accumulation_steps(total_batch_size: int, per_device_train_batch_size: int, max_length: int,
                                 world_size: int) -> int:
     """Micro-batches per optimizer step so that one step sees `total_batch_size` tokens: `total_batch_size /
     (per_device_train_batch_size · max_length · world_size)`.
 
     Raises:
-        ValueError: the tokens of one micro-batch over all processes do not divide `total_batch_size`, naming the
+        PlanError: the tokens of one micro-batch over all processes do not divide `total_batch_size`, naming the
             numbers and the fix.
     """
     micro_batch = per_device_train_batch_size * max_length * world_size
     if total_batch_size % micro_batch:
-        raise ValueError(
+        raise PlanError(
             f"total_batch_size={total_batch_size:,} tokens is not a multiple of per_device_train_batch_size × "
             f"max_length × world size = {per_device_train_batch_size} × {max_length} × {world_size} = "
             f"{micro_batch:,} tokens; change --per_device_train_batch_size (a power of 2 divides the auto batch) or "
@@ -218,7 +225,7 @@ def compute_optimal_plan(config, reference_config, args, world_size: int | None 
         the `ComputeOptimalPlan`; nothing in `args` changes.
 
     Raises:
-        ValueError: the micro-batches do not divide the total batch; `gradient_accumulation_steps` was set and
+        PlanError: the micro-batches do not divide the total batch; `gradient_accumulation_steps` was set and
             differs from the one the total batch needs; the horizon comes to 0 steps.
     """
     from hfl3.optim import param_groups_by_kind
@@ -245,7 +252,7 @@ def compute_optimal_plan(config, reference_config, args, world_size: int | None 
         accumulation = derive_gradient_accumulation_steps(total_batch_size, args.per_device_train_batch_size,
                                                           args.max_length, world_size)
         if args.gradient_accumulation_steps not in (1, accumulation):
-            raise ValueError(
+            raise PlanError(
                 f"gradient_accumulation_steps={args.gradient_accumulation_steps} contradicts total_batch_size="
                 f"{total_batch_size:,} ({rule}), which needs {accumulation}: drop --gradient_accumulation_steps (it "
                 "is derived) or --total_batch_size")
@@ -259,7 +266,7 @@ def compute_optimal_plan(config, reference_config, args, world_size: int | None 
     if max_steps < 1:
         budget = (f"target_flops={args.target_flops:g}" if horizon == "target_flops" else
                   f"target_param_data_ratio={ratio:g} ({target_tokens:,} tokens)")
-        raise ValueError(f"{budget} is less than one step of {total_batch_size:,} tokens: raise it, or lower "
+        raise PlanError(f"{budget} is less than one step of {total_batch_size:,} tokens: raise it, or lower "
                          "--total_batch_size")
 
     sized_by_dial = horizon != "max_steps" or rule != "trainer"

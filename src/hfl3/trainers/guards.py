@@ -28,6 +28,7 @@ from hfl3.callbacks import BeforeLogSaveEvaluate
 from hfl3.data.chat import InvalidChatRecord, SFTDataError
 from hfl3.distributed import lost_peer_message
 
+from .compute_optimal import PlanError
 from .launch import LaunchError
 
 logger = logging.getLogger(__name__)
@@ -211,15 +212,16 @@ class NonFiniteGuard:
 def exit_on_training_error(prog: str | None = None) -> Iterator[None]:
     """Around a recipe's `main(...)`: a `NonFiniteTrainingError` ends the program with `PROG: error: <message>` on
     stderr and exit status 1 instead of a traceback; a `LaunchError` (a distributed setup accelerate replaced,
-    `hfl3.trainers.launch.check_launch`) or bad SFT data (`InvalidChatRecord`, `SFTDataError`: the record and the
-    reason, or a source with nothing usable left) with exit status 2, as argument errors (`parse_recipe_args`). Every
-    rank prints its message (the same on each): the launcher stops the others as soon as one exits, so a message left
-    to rank 0 alone could be cut off. A failure of the process group because a rank is gone (its machine lost, its
-    launcher killed) or stopped answering within the collective timeout (`--ddp_timeout`) ends the others with one
-    line naming the lost ranks (`hfl3.distributed.lost_peer_message`) and exit status 1."""
+    `hfl3.trainers.launch.check_launch`), a run the compute-optimal dial cannot size (`PlanError`) or bad SFT data
+    (`InvalidChatRecord`, `SFTDataError`: the record and the reason, or a source with nothing usable left) with exit
+    status 2, as argument errors (`parse_recipe_args`). Every rank prints its message (the same on each): the launcher
+    stops the others as soon as one exits, so a message left to rank 0 alone could be cut off. A failure of the process
+    group because a rank is gone (its machine lost, its launcher killed) or stopped answering within the collective
+    timeout (`--ddp_timeout`) ends the others with one line naming the lost ranks (`hfl3.distributed.lost_peer_message`)
+    and exit status 1."""
     try:
         yield
-    except (NonFiniteTrainingError, LaunchError, InvalidChatRecord, SFTDataError) as error:
+    except (NonFiniteTrainingError, LaunchError, PlanError, InvalidChatRecord, SFTDataError) as error:
         # one write of the whole line: the ranks of a launch print at the same moment into one unbuffered stream
         sys.stderr.write(f"{prog or os.path.basename(sys.argv[0])}: error: {error}\n")
         sys.stderr.flush()
