@@ -42,7 +42,7 @@ from transformers import HfArgumentParser
 
 from hfl3 import L3GPTForCausalLM
 from hfl3.optim import MuonAdamW, param_groups_by_kind
-from hfl3.trainers.launch import end_distributed_run
+from hfl3.distributed import end_distributed_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ModelShape, write_result  # noqa: E402

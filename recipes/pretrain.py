@@ -53,14 +53,14 @@ from hfl3.callbacks import SampleCallback, ThroughputCallback
 from hfl3.data import sources
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
-from hfl3.distributed import check_same_on_all_ranks, from_main, main_writes
+from hfl3.distributed import check_same_on_all_ranks, end_distributed_run, from_main, main_writes
 from hfl3.evaluate import CoreMetricCallback, core_bundle_for_training
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes, train_tokenizer
 from hfl3.trainers.compute_optimal import REFERENCE_DEPTH, ComputeOptimalPlan, compute_optimal_plan
 from hfl3.trainers.guards import exit_on_training_error
 from hfl3.trainers.inputs import RecipeParser, check_pretrain_inputs
-from hfl3.trainers.launch import LOG_FORMAT, add_config_argument, check_launch, end_distributed_run, parse_recipe_args
+from hfl3.trainers.launch import LOG_FORMAT, add_config_argument, check_launch, parse_recipe_args
 from hfl3.trainers.outputs import work_dir
 from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
 

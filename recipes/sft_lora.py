@@ -53,11 +53,11 @@ from trl import ModelConfig, get_peft_config
 from hfl3.data.chat import write_chat_jsonl
 from hfl3.data.sft import load_sft_data
 from hfl3.data.stdlib import stdlib_docstring_chats
-from hfl3.distributed import main_writes
+from hfl3.distributed import end_distributed_run, main_writes
 from hfl3.provenance import build_metadata, config_sha256
 from hfl3.trainers.guards import check_vocabulary_fits, exit_on_training_error
 from hfl3.trainers.inputs import RecipeParser, check_sft_inputs
-from hfl3.trainers.launch import LOG_FORMAT, add_config_argument, check_launch, end_distributed_run, parse_recipe_args
+from hfl3.trainers.launch import LOG_FORMAT, add_config_argument, check_launch, parse_recipe_args
 from hfl3.trainers.outputs import base_model_hub_id, work_dir
 from hfl3.trainers.sft import (
     HFL3SFTTrainer,

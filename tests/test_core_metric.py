@@ -418,7 +418,7 @@ from accelerate import PartialState
 from transformers import AutoTokenizer
 from test_core_metric import BUNDLE, KNOWN, BigramStub
 from hfl3.evaluate import evaluate_core, load_core_bundle
-from hfl3.trainers.launch import end_distributed_run
+from hfl3.distributed import end_distributed_run
 
 state = PartialState(cpu=True)  # gloo across torchrun's processes
 tokenizer = AutoTokenizer.from_pretrained({tokenizer!r})

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from hfl3.trainers.guards import exit_on_training_error
-from hfl3.trainers.launch import LaunchError, check_launch, end_distributed_run, launch_problem, parse_recipe_args
+from hfl3.distributed import end_distributed_run
+from hfl3.trainers.launch import LaunchError, check_launch, launch_problem, parse_recipe_args
 
 # Root logging configured first, as a recipe does, so every logged record would be printed
 LOGGING = "import logging; logging.basicConfig(level=logging.WARNING, format='%(name)s: %(message)s')\n"
@@ -205,7 +206,7 @@ def test_a_launch_error_ends_the_recipe_with_one_line_and_status_2(capsys, monke
 ENDING_RANK = textwrap.dedent("""
     import atexit, logging, logging.handlers, pathlib, sys, threading, time
     import torch, torch.distributed as dist
-    from hfl3.trainers.launch import end_distributed_run
+    from hfl3.distributed import end_distributed_run
 
     out, mode = pathlib.Path(sys.argv[1]), sys.argv[2]
     sys.stdout.reconfigure(write_through=False)

@@ -17,6 +17,8 @@ a filesystem: where they do, file transfers find nothing to move.
   `broadcast_model_from_main(model)`: rank 0's weights on every rank.
 - `lost_peer_message(error)`: for an error of the process group, the ranks that no longer answer (the launcher's
   rendezvous store), as one line; None when every rank still answers.
+- `end_distributed_run()`: how every multi-process entry point ends once its work is done (exit 0 on every rank,
+  outputs flushed, no teardown race with gloo's threads).
 
 Files travel in `CHUNK_BYTES` pieces (`broadcast_object_list`), so memory stays bounded; every rank takes part in each
 transfer (a broadcast), which is cheap for the state files of a checkpoint and costs one pass of a checkpoint's size
@@ -27,6 +29,7 @@ machine 0's launcher).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import hashlib
@@ -34,11 +37,13 @@ import os
 import re
 import secrets
 import shutil
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -378,3 +383,56 @@ def _unanswered(ranks: int, me: int, wait_s: float) -> str | None:
     machines = sorted({machine_of(number) for number in missing})
     return (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} (machine"
             f"{'s' if len(machines) > 1 else ''} {', '.join(map(str, machines))})")
+
+
+def end_distributed_run() -> NoReturn:
+    """End a process of a multi-process run whose work is done: exit status 0 on every rank, everything it wrote
+    flushed, and no teardown race with the collective library's threads. Call it last, at the top level, after
+    everything that needs the other processes (training, evaluation, saving, pushing); a rank that raised never gets
+    here: its exception ends it as Python does, with a non-zero exit status, and no collective waits on a failed rank.
+
+    With a process group (`torch.distributed.is_initialized()`), in this order:
+
+    1. `torch.distributed.barrier()`: no rank leaves while another still runs a collective with it.
+    2. `torch.distributed.destroy_process_group()`.
+    3. What Python's own exit does before it finalizes the interpreter: the threads that are not daemons are joined,
+       then the `atexit` handlers run (`logging.shutdown`, which flushes and closes every logging handler; trackers'
+       final syncs; torch's DataLoader and compile-worker cleanup).
+    4. `sys.stdout` and `sys.stderr` flushed, then `os._exit(0)`; exit status 120 where a flush fails, as CPython's
+       own exit. What is not flushed: a Python file object the program left open (finalization would have closed
+       it); hfl3 writes every output in a `with` block or through `hfl3.atomic`.
+
+    Without a process group (one process), `sys.exit(0)`: Python's own exit, nothing to race with.
+
+    Why the interpreter is not finalized (torch 2.13.0 with gloo, Python 3.11.7; core dump and repetitions in
+    dev/LOG.md, 2026-11-26): a gloo worker thread (`pt_gloo_runloop`, `c10d::ProcessGroupGloo::runLoop`) releases each
+    finished collective after it marked it complete, and so after the rank's code may have moved on. Where that code
+    already dropped the tensor (a synchronous `all_reduce` returns before the release; an asynchronous one may be
+    dropped unfinished), torch keeps the tensor's Python object alive, owned by the C++ tensor, and the release
+    (`AsyncAllreduceWork::~AsyncAllreduceWork` → `TensorImpl::decref_pyobject`) takes the GIL. Once the main thread
+    is inside `Py_FinalizeEx`, Python 3.11 to 3.13 end such a thread with `pthread_exit` (3.14 blocks it instead,
+    CPython gh-87135), whose forced unwind through that `noexcept` destructor calls `std::terminate`: "terminate
+    called without an active exception", SIGABRT, a non-zero exit status for a run whose outputs were written. The
+    barrier does not close the window (a worker thread can still be releasing a finished collective), nor does
+    `destroy_process_group`: it joins gloo's threads only when nothing else holds the group (a DDP model, a
+    `DeviceMesh` after DTensor use do). Without finalization, no thread outlives a finalizing interpreter.
+
+    Raises:
+        SystemExit: without a process group (status 0).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        sys.exit(0)
+    dist.barrier()
+    dist.destroy_process_group()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # CPython's own call at exit, the only way to run the registered handlers
+    status = 0
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # a closed pipe or file: CPython's exit reports it with status 120
+            status = 120
+    os._exit(status)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hfl3.trainers.launch import end_distributed_run
+from hfl3.distributed import end_distributed_run
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps  # 2**-23
 
@@ -16,7 +16,7 @@ def spawn_gloo_ranks(function, world_size: int, store_path, *args) -> None:
     `store_path`, 1 thread each, as torchrun sets), and raise the first rank's exception if any.
 
     A rank that returns ends as every multi-process entry point of hfl3 does, through
-    `hfl3.trainers.launch.end_distributed_run` (barrier, process group destroyed, exit 0 without finalizing the
+    `hfl3.distributed.end_distributed_run` (barrier, process group destroyed, exit 0 without finalizing the
     interpreter: its docstring gives the abort this avoids). A rank that raises exits as `mp.spawn` makes it, after
     writing its traceback, which the parent raises. When the wait itself is interrupted (pytest-timeout), no rank is
     left running.

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hfl3.trainers.launch import end_distributed_run
+from hfl3.distributed import end_distributed_run
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 

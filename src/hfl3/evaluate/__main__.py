@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from hfl3.trainers.launch import end_distributed_run
+    from hfl3.distributed import end_distributed_run
 
     main()
     end_distributed_run()  # every process: the others done, the process group destroyed, output flushed, exit 0
