@@ -148,9 +148,7 @@ def build_trainer(script_args: SFTScriptArguments, training_args: SFTLoRAConfig,
             dataset_test_split=script_args.dataset_test_split, val_split=script_args.val_split,
             seed=training_args.seed, max_length=training_args.max_length,
             skip_invalid_records=script_args.skip_invalid_records, dataset_num_proc=training_args.dataset_num_proc)
-    if training_args.local_process_index == 0:
-        for name, stats in data.stats.items():
-            logger.info("%s: %s", name, {k: v for k, v in stats.as_dict().items() if k != "first_errors"})
+    if training_args.local_process_index == 0:  # each source's counts: load_sft_data logs them
         logger.info("train rows %d, eval rows %d", len(data.train), len(data.eval) if data.eval is not None else 0)
     # A GGUF file is dequantized into dense weights and loses its quantizer, which the Trainer refuses to train
     gguf = dict(gguf_file=model_args.gguf_file, quantization_config=GgufConfig(dequantize=True)) \
