@@ -143,7 +143,7 @@ def plan_run(model_args: ModelArguments, training_args: PretrainConfig, vocab_si
              show: bool = True) -> ComputeOptimalPlan:
     """nanochat's compute-optimal plan for this model at `vocab_size` (reference: the same model arguments at depth
     12 without L3 layers, nanochat's `build_model_meta(12)`), computed by global rank 0 for every rank, its table
-    logged by the main process when `show`. Raises `ValueError` for a batch or budget that cannot be planned."""
+    logged by the main process when `show`. Raises `PlanError` for a batch or budget that cannot be planned."""
     max_length = training_args.max_length
     reference = replace(model_args, depth=REFERENCE_DEPTH, l3_after_layers=None).config(vocab_size, max_length)
     plan = from_main(lambda: compute_optimal_plan(model_args.config(vocab_size, max_length), reference, training_args))
