@@ -130,7 +130,8 @@ def pytest_configure(config):
 
 
 # Multi-process modules whose ranks meet through a file store (`equivalence.spawn_gloo_ranks`), never a TCP port, and
-# use no session-scoped launch: each is a group of its own, free to run beside the launches
+# use no session-scoped launch: each is a group of its own, free to run beside the launches (every launch takes a
+# free rendezvous port: tests/distributed/conftest.py, `free_port`)
 SPAWNED_ONLY = {"tests/test_muon_ddp.py", "tests/distributed/test_handover.py",
                 "tests/distributed/test_muon_sharded_distributed.py"}
 
@@ -138,7 +139,7 @@ SPAWNED_ONLY = {"tests/test_muon_ddp.py", "tests/distributed/test_handover.py",
 def xdist_group(item) -> str:
     """A module's tests run in one worker, so that its module-scoped fixtures (whole recipe runs) run once; the
     launched multi-process tests share one worker, so that their session-scoped launches run once and no two of them
-    contend for a rendezvous port at the same time (`SPAWNED_ONLY` modules excepted)."""
+    contend for the cores at the same time (`SPAWNED_ONLY` modules excepted)."""
     module = item.nodeid.split("::")[0]
     return "distributed" if item.get_closest_marker("distributed") and module not in SPAWNED_ONLY else module
 

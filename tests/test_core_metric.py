@@ -441,7 +441,9 @@ def test_two_processes_score_their_shares_and_gather_the_results(assets, qwen3, 
     script.write_text(DISTRIBUTED_WORKER.format(tests=str(Path(__file__).parent), out=str(tmp_path),
                                                 tokenizer=str(assets / "tokenizers" / "qwen3")))
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    completed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+    # --standalone: a free rendezvous port (torchrun's default, 29500, may be a launch's of another test)
+    completed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                                str(script)],
                                capture_output=True, text=True, timeout=600, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]

@@ -231,8 +231,9 @@ ENDING_RANK = textwrap.dedent("""
 def test_ranks_end_with_their_outputs_written_and_a_failure_exits_non_zero(tmp_path, mode):
     script = tmp_path / "rank.py"
     script.write_text(ENDING_RANK)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
-                          str(tmp_path), mode], capture_output=True, text=True, timeout=300,
+    # --standalone: a free rendezvous port (torchrun's default, 29500, may be a launch's of another test)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script), str(tmp_path), mode], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     if mode == "raise":  # the rank that raised exits with Python's status 1; the launcher stops the other one
         assert run.returncode != 0 and "RuntimeError: rank 1 failed after its all-reduce" in run.stderr

@@ -71,6 +71,13 @@ class Launch:
         return self.run(name)[0]["metrics"]
 
 
+def free_port() -> int:
+    """A TCP port free on the loopback now, for a launch's rendezvous (the OS picks it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def launch(config: str | None, runs: list[dict], workdir: Path, env: dict | None = None,
            launch_args: tuple[str, ...] = ()) -> Launch:
     """Run `runs` in one `accelerate launch --config_file accelerate_configs/<config> *launch_args` (in one plain
@@ -79,8 +86,9 @@ def launch(config: str | None, runs: list[dict], workdir: Path, env: dict | None
     plan = workdir / "plan.json"
     plan.write_text(json.dumps({"results_dir": str(workdir), "runs": runs}, indent=1))
     command = [sys.executable, str(RUNNER), str(plan)]
-    if config is not None:
-        command[1:1] = ["-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config), *launch_args]
+    if config is not None:  # a free rendezvous port: accelerate's default, 29500, may be another launch's on this host
+        command[1:1] = ["-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+                        "--main_process_port", str(free_port()), *launch_args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
            **(env or {})}
     start = time.perf_counter()
@@ -270,9 +278,7 @@ def launch_machines(runs: list[dict], workdir: Path, name: str, lose_machine_1_a
     workdir.mkdir(parents=True, exist_ok=True)
     plan = workdir / "plan.json"
     plan.write_text(json.dumps({"results_dir": str(workdir), "runs": runs}, indent=1))
-    with socket.socket() as probe:  # a free port for the rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1"}
     logs = [workdir / f"{name}.machine{machine}.log" for machine in range(2)]
