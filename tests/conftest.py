@@ -144,6 +144,16 @@ def xdist_group(item) -> str:
     return "distributed" if item.get_closest_marker("distributed") and module not in SPAWNED_ONLY else module
 
 
+def pytest_xdist_node_collection_finished(node, ids):
+    """With `--dist loadgroup`: stop, naming the cause, when the groups did not reach the node ids that pytest-xdist
+    schedules by (pytest 9.2 with xdist 3.8: pytest-dev/pytest-xdist#1386), instead of a run whose launches contend for
+    the cores and whose module fixtures run in both workers."""
+    if node.config.getvalue("dist") == "loadgroup" and ids and "@" not in ids[0]:
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist --dist loadgroup ignores tests/conftest.py's groups "
+            "(pytest-dev/pytest-xdist#1386): install the pins, pip install -c constraints.txt -e '.[dev]'")
+
+
 # pytest-timeout's limit for a multi-process test (pyproject.toml sets 900 s for the others): its fixtures may wait on
 # two launches (tests/distributed/conftest.py: the one-process reference, then the launch under test), each cut off
 # after LAUNCH_TIMEOUT_S = 900 s by its own subprocess timeout, so that the launch's log says what hung; 300 s more for
@@ -151,6 +161,7 @@ def xdist_group(item) -> str:
 DISTRIBUTED_TIMEOUT_S = 2 * 900 + 300
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     import torch
 
