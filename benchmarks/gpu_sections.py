@@ -262,7 +262,7 @@ def run_loss(profile: Profile, report) -> dict:
     sizes = profile.sizes(dict(batch_size=16, seq_len=2048, hidden_size=768, vocab_size=32768, repeats=3),
                           dict(batch_size=2, seq_len=64, hidden_size=128, vocab_size=512, repeats=2), dict(repeats=1))
     output = loss_memory.main(loss_memory.Args(device=profile.device, bf16=True, **sizes))
-    plain, fused = output["results"]
+    plain, fused, *pytorch = output["results"]  # pytorch: the chunked function beside Liger, on CUDA
     name = f"fused ({output['fused']})"
     note = None if output["fused"] == "liger" else "Liger needs CUDA and liger-kernel: this is the chunked fallback"
     rows = [
@@ -272,6 +272,11 @@ def run_loss(profile: Profile, report) -> dict:
         row(f"s/step, {name} vs plain", fused["seconds"], plain["seconds"], "plain", None, note),
         row("|Δ loss|, fused vs plain", abs(fused["loss"] - plain["loss"]), None, None, None, "bf16 round-off"),
     ]
+    for chunked in pytorch:  # which memory-light loss the compiled pretraining step should run (dev/LOG.md 2026-11-26)
+        rows += [row("peak memory MiB, chunked (PyTorch, in the compiled graph) vs Liger", chunked["peak_bytes"] / 2**20,
+                     fused["peak_bytes"] / 2**20, "liger", None, "eager here; Liger is a graph break when compiled"),
+                 row("s/step, chunked (PyTorch) vs Liger", chunked["seconds"], fused["seconds"], "liger", None,
+                     "eager here; Liger is a graph break when compiled")]
     return {"rows": rows, "details": output}
 
 
@@ -370,7 +375,7 @@ SECTIONS = {
     "muon_step": Section(run_muon_step, "MuonAdamW.step() vs fused AdamW", 70, ("hfl3",)),
     "fp8": Section(run_fp8, "FP8 tensorwise / rowwise / accelerate's torchao vs bf16 at d20", 360,
                    ("hfl3", "datasets")),
-    "loss": Section(run_loss, "the training loss: fused (Liger) vs plain", 60, ("hfl3",)),
+    "loss": Section(run_loss, "the training loss: fused (Liger) vs plain and vs chunked", 75, ("hfl3",)),
     "dense_core": Section(run_dense_core, "the new dense core vs the legacy core", 150, ("hfl3", "datasets")),
     "l3_offload": Section(run_l3_offload, "L3 tables offloaded at inference", 150, ("hfl3", "asset:text/gutenberg")),
     "sft": Section(run_sft, "LoRA SFT: the recipe vs TRL's SFTTrainer", 180,

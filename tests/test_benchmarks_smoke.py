@@ -324,3 +324,30 @@ def test_model_shape_fills_only_unset_flags_and_gives_the_scripts_config(suite, 
     written = common.write_result(tmp_path / "out" / "result.json", {"args": {"depth": 2}})
     assert json.loads((tmp_path / "out" / "result.json").read_text()) == written
     assert common.write_result(None, {"a": 1}) == {"a": 1}  # no --json: nothing written, the result returned
+
+
+def test_where_liger_runs_the_loss_section_also_times_the_chunked_function_it_would_replace(suite, monkeypatch):
+    """On a GPU with liger-kernel the loss section adds the chunked PyTorch function (the one a compiled step keeps in
+    its graph) beside Liger. Here Liger is reported present (no GPU): the added path must run the chunked function
+    with Liger switched off, and leave the switch as it was."""
+    common, gpu_sections, _ = suite
+    loss_memory = gpu_sections.loss_memory
+    monkeypatch.setenv(common.SAME_PROCESS_VARIABLE, "1")
+    monkeypatch.setattr(loss_memory, "liger_applies", lambda hidden: True)
+    switches = []
+    measure = loss_memory._measure_path
+    monkeypatch.setattr(loss_memory, "_measure_path", lambda args, path: (
+        switches.append((path, loss_memory.linear_cross_entropy.LIGER_INSTALLED)), measure(args, path))[1])
+    monkeypatch.setattr(loss_memory.linear_cross_entropy, "LIGER_INSTALLED", True)
+
+    output = gpu_sections.run_loss(gpu_sections.Profile(name="smoke", device="cpu"), None)
+
+    assert switches == [("plain", True), ("chunked", True), ("pytorch_chunked", False)]
+    assert loss_memory.linear_cross_entropy.LIGER_INSTALLED is True
+    plain, fused, pytorch = output["details"]["results"]
+    assert pytorch["loss"] == fused["loss"]  # the same chunked function here, same seed
+    rows = {row["measurement"]: row for row in output["rows"]}
+    timed = rows["s/step, chunked (PyTorch) vs Liger"]
+    assert timed["ratio"] == pytest.approx(pytorch["seconds"] / fused["seconds"])
+    assert rows["peak memory MiB, chunked (PyTorch, in the compiled graph) vs Liger"]["reference"] == \
+        fused["peak_bytes"] / 2**20
