@@ -334,10 +334,13 @@ def test_where_liger_runs_the_loss_section_also_times_the_chunked_function_it_wo
     loss_memory = gpu_sections.loss_memory
     monkeypatch.setenv(common.SAME_PROCESS_VARIABLE, "1")
     monkeypatch.setattr(loss_memory, "liger_applies", lambda hidden: True)
-    switches = []
-    measure = loss_memory._measure_path
-    monkeypatch.setattr(loss_memory, "_measure_path", lambda args, path: (
-        switches.append((path, loss_memory.linear_cross_entropy.LIGER_INSTALLED)), measure(args, path))[1])
+    switches, measure = [], loss_memory._measure_path
+
+    def measure_noting_the_switch(args, path):
+        switches.append((path, loss_memory.linear_cross_entropy.LIGER_INSTALLED))
+        return measure(args, path)
+
+    monkeypatch.setattr(loss_memory, "_measure_path", measure_noting_the_switch)
     monkeypatch.setattr(loss_memory.linear_cross_entropy, "LIGER_INSTALLED", True)
 
     output = gpu_sections.run_loss(gpu_sections.Profile(name="smoke", device="cpu"), None)
