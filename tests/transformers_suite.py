@@ -30,6 +30,7 @@ import types
 from pathlib import Path
 
 import transformers
+from filelock import FileLock  # transformers' and huggingface_hub's own dependency
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CACHE = REPO_ROOT / "build" / "transformers-tests"
@@ -70,7 +71,6 @@ def sdist(version: str) -> Path:
     path = CACHE / f"transformers-{version}.tar.gz"
     if path.exists():
         return path
-    CACHE.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
                f"transformers=={version}", "--dest", str(CACHE)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -84,7 +84,15 @@ def sdist(version: str) -> Path:
 
 
 def extracted_tests(version: str) -> Path:
-    """Folder holding the package `PACKAGE` with the sdist's `SHIPPED` files, extracted once (atomically)."""
+    """Folder holding the package `PACKAGE` with the sdist's `SHIPPED` files, downloaded and extracted once, by one
+    process at a time: `make test`'s pytest-xdist workers collect at the same time, and in a fresh clone one of them
+    once imported the package while the other replaced it (ModuleNotFoundError at collection)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(CACHE / ".lock", timeout=900):  # a download takes seconds; 900 s: pip's 600 s limit, with margin
+        return _extracted_tests(version)
+
+
+def _extracted_tests(version: str) -> Path:
     root = CACHE / version
     if all((root / PACKAGE / name).exists() for name in SHIPPED):
         return root
