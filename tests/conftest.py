@@ -125,6 +125,8 @@ def run_without_hfl3(tmp_path):
 
 
 def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(XdistGroupsCheck(), "hfl3-xdist-groups-check")
     config.addinivalue_line("markers", "gemma3: uses the Gemma 3 tokenizer (not redistributable, see "
                                        "tests/conftest.py): skipped, naming what to set, where it is not found")
 
@@ -144,14 +146,19 @@ def xdist_group(item) -> str:
     return "distributed" if item.get_closest_marker("distributed") and module not in SPAWNED_ONLY else module
 
 
-def pytest_xdist_node_collection_finished(node, ids):
-    """With `--dist loadgroup`: stop, naming the cause, when the groups did not reach the node ids that pytest-xdist
-    schedules by (pytest 9.2 with xdist 3.8: pytest-dev/pytest-xdist#1386), instead of a run whose launches contend for
-    the cores and whose module fixtures run in both workers."""
-    if node.config.getvalue("dist") == "loadgroup" and ids and "@" not in ids[0]:
-        raise pytest.UsageError(
-            f"pytest {pytest.__version__} with pytest-xdist --dist loadgroup ignores tests/conftest.py's groups "
-            "(pytest-dev/pytest-xdist#1386): install the pins, pip install -c constraints.txt -e '.[dev]'")
+class XdistGroupsCheck:
+    """pytest-xdist's hook, registered only where pytest-xdist is loaded (`pytest_configure`): pytest refuses a
+    conftest that implements a hook no loaded plugin declares, so `pytest -p no:xdist` would stop at collection."""
+
+    @staticmethod
+    def pytest_xdist_node_collection_finished(node, ids):
+        """With `--dist loadgroup`: stop, naming the cause, when the groups did not reach the node ids that
+        pytest-xdist schedules by (pytest 9.2 with xdist 3.8: pytest-dev/pytest-xdist#1386), instead of a run whose
+        launches contend for the cores and whose module fixtures run in both workers."""
+        if node.config.getvalue("dist") == "loadgroup" and ids and "@" not in ids[0]:
+            raise pytest.UsageError(
+                f"pytest {pytest.__version__} with pytest-xdist --dist loadgroup ignores tests/conftest.py's groups "
+                "(pytest-dev/pytest-xdist#1386): install the pins, pip install -c constraints.txt -e '.[dev]'")
 
 
 # pytest-timeout's limit for a multi-process test (pyproject.toml sets 900 s for the others): its fixtures may wait on
