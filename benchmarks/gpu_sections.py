@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import l3_offload  # noqa: E402
 import loss_memory  # noqa: E402
 import muon_step  # noqa: E402
+import qlora_memory  # noqa: E402
 import sft_throughput  # noqa: E402
 import trainer_overhead  # noqa: E402
 import vs_nanochat  # noqa: E402
@@ -353,6 +354,23 @@ def run_sft(profile: Profile, report) -> dict:
     return {"rows": rows_of(results), "details": {"sizes": sizes, "results": results}}
 
 
+# ---- 9. QLoRA NF4 vs LoRA bf16 at Qwen3-0.6B's shape (qlora_memory.py) ---------------------------------------------
+
+
+def run_qlora(profile: Profile, report) -> dict:
+    sizes = profile.sizes(
+        dict(batch_size=8, max_length=512, max_steps=12, timing_warmup=2, n_train=400),
+        dict(hidden_size=64, num_hidden_layers=2, intermediate_size=192, num_attention_heads=4, head_dim=16,
+             batch_size=1, max_length=32, max_steps=3, timing_warmup=1, n_train=8), dict(max_steps=2))
+    args = qlora_memory.QLoRAArguments(work=str(Path(profile.work_dir) / "qlora"), **sizes)
+    output = qlora_memory.main(args)
+    lines = [row(f"{line['measurement']}, QLoRA NF4 vs LoRA ({line['dtype']}; hidden {args.hidden_size}, "
+                 f"{args.num_hidden_layers} layers, {args.batch_size} × {args.max_length} tokens)", line["qlora_nf4"],
+                 line["lora"], "LoRA", ("<=", qlora_memory.GOALS[line["key"]]) if line["key"] in qlora_memory.GOALS
+                 else None) for line in output["rows"]]
+    return {"rows": lines, "details": output}
+
+
 def replace_namespace(namespace, **changes):
     """A copy of an `argparse.Namespace` with `changes`."""
     return type(namespace)(**(vars(namespace) | changes))
@@ -381,4 +399,8 @@ SECTIONS = {
     "sft": Section(run_sft, "LoRA SFT: the recipe vs TRL's SFTTrainer", 180,
                    ("hfl3", "datasets", "trl", "peft", "asset:tokenizers/qwen3",
                     "asset:chat/gsm8k_messages_train.jsonl")),
+    # bitsandbytes is not among the carried wheels (43 MB): without it the section fails, naming the qlora extra
+    "qlora": Section(run_qlora, "QLoRA NF4 vs LoRA bf16 at Qwen3-0.6B's shape: memory, tokens/s", 180,
+                     ("hfl3", "datasets", "trl", "peft", "asset:tokenizers/qwen3",
+                      "asset:chat/gsm8k_messages_train.jsonl")),
 }

@@ -1,7 +1,7 @@
 """Does L3 pay off? A dense L3GPT vs the same with L3 layers vs a dense model widened to the L3 model's FLOPs; and
 does nanochat master's dense core (value embeddings, smear, backout) pay off against the one without them?
 
-Four arms, trained through hfl3's product path (`L3GPTTrainer`, `PackedCollator`, `BitsPerByte`) on the Gutenberg
+Four arms, trained through hfl3's product path (`PretrainTrainer`, `PackedCollator`, `BitsPerByte`) on the Gutenberg
 novels of the assets' text/gutenberg folder (see benchmarks/common.py), validated on one held-out novel, each for
 every seed, arms interleaved (seed 0: a, b, c; seed 1: a, b, c) so that load drift on a shared machine hits all arms
 alike:
@@ -51,14 +51,16 @@ import numpy as np
 import torch
 from transformers import HfArgumentParser, TrainerCallback, set_seed
 
-from hfl3 import L3GPTConfig, L3GPTForCausalLM
+from hfl3 import L3GPTConfig
 from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
 from l3_flops import l3_lookup_flops_per_token
 import text_corpus as text
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES
-from hfl3.tokenization import token_bytes, train_tokenizer
-from hfl3.trainers.pretrain import BitsPerByte, L3GPTTrainer, PackedCollator, PretrainConfig
+from hfl3.tokenization import train_tokenizer
+from hfl3.trainers.compute_optimal import parameter_counts
+from hfl3.trainers.pretrain import PretrainConfig
+from hfl3.trainers.pretrain_builder import build_model, build_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ModelShape, find_asset, in_fresh_process, shown_path, write_result  # noqa: E402
@@ -230,39 +232,36 @@ def _proc_status_bytes(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/self/status: CPU peak memory needs Linux")
 
 
-def make_trainer(args, config, allocation, tokenizer, packed, seed, output_dir, callbacks, **overrides):
-    """A fresh model (seeded) and the product `L3GPTTrainer` around it; `overrides` go to `PretrainConfig`."""
+def make_trainer(args, config, allocation, fpt, tokenizer, packed, seed, output_dir, callbacks, **overrides):
+    """A fresh model (seeded) and the recipe's `PretrainTrainer` around it (`hfl3.trainers.pretrain_builder`);
+    `overrides` go to `PretrainConfig`."""
     set_seed(seed)
-    model = L3GPTForCausalLM(config)
-    if config.l3_after_layers:
-        model.set_l3_allocation(allocation)
     training_args = PretrainConfig(**dict(
         output_dir=output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size, learning_rate=args.learning_rate, optim=args.optim,
-        lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps, eval_steps=args.eval_steps,
-        logging_steps=args.eval_steps, seed=seed, data_seed=seed, report_to="none", disable_tqdm=True,
-        dataloader_num_workers=0,
+        per_device_eval_batch_size=args.batch_size, max_length=args.seq_len, learning_rate=args.learning_rate,
+        optim=args.optim, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
+        eval_steps=args.eval_steps, logging_steps=args.eval_steps, seed=seed, data_seed=seed, report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0,
     ) | overrides)
-    return L3GPTTrainer(
-        model=model, args=training_args, train_dataset=packed["train"], eval_dataset=packed["validation"],
-        data_collator=PackedCollator(tokenizer.bos_token_id), compute_metrics=BitsPerByte(token_bytes(tokenizer)),
-        preprocess_logits_for_metrics=BitsPerByte.preprocess_logits_for_metrics, callbacks=callbacks,
-    )
+    model = build_model(config, training_args, allocation=allocation if config.l3_after_layers else None)
+    return build_trainer(model, training_args, packed["train"], fpt, tokenizer=tokenizer,
+                         eval_rows=np.asarray(packed["validation"]["input_ids"]), callbacks=callbacks)
 
 
 def train_arm(args, arm, config, allocation, fpt, tokenizer, packed, seed, output_dir) -> dict:
     """One timed run; returns its curve, throughput and parameter counts."""
     clock = EvalClock(fpt * args.batch_size * args.seq_len)
-    trainer = make_trainer(args, config, allocation, tokenizer, packed, seed, output_dir, [clock])
+    trainer = make_trainer(args, config, allocation, fpt, tokenizer, packed, seed, output_dir, [clock])
     trainer.evaluate()
     trainer.train()
     if clock.points[-1]["step"] != args.max_steps:
         trainer.evaluate()
     final = clock.points[-1]
-    tables = sum(p.numel() for n, p in trainer.model.named_parameters() if "_table" in n or "value_embeddings." in n)
+    counts = parameter_counts(trainer.model)
+    tables = counts["l3_table"] + counts["value_embedding"]  # lookups, as the dial counts them
     result = dict(
         arm=arm, seed=seed, hidden_size=config.hidden_size, flops_per_token=fpt, points=clock.points,
-        dense_parameters=trainer.model.num_parameters() - tables, table_parameters=tables,
+        dense_parameters=counts["total"] - tables, table_parameters=tables,
         tok_per_sec=args.max_steps * args.batch_size * args.seq_len / final["seconds"],
         tok_per_cpu_sec=args.max_steps * args.batch_size * args.seq_len / final["cpu_seconds"], final_bpb=final["bpb"],
     )
@@ -274,7 +273,7 @@ def train_arm(args, arm, config, allocation, fpt, tokenizer, packed, seed, outpu
 def peak_training_memory(args, config, allocation, tokenizer, packed, output_dir) -> float:
     """Peak memory growth (bytes) over `memory_steps` training steps, without evaluation (see `PeakMemory`)."""
     peak = PeakMemory()
-    trainer = make_trainer(args, config, allocation, tokenizer, packed, args.seeds[0], output_dir, [peak],
+    trainer = make_trainer(args, config, allocation, None, tokenizer, packed, args.seeds[0], output_dir, [peak],
                            max_steps=args.memory_steps, eval_strategy="no")
     trainer.train()
     return peak.peak_bytes

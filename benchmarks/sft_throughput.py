@@ -14,7 +14,7 @@ Rows (each in a fresh process, so peak memory is its own):
   activation checkpointing).
 - `trl_liger`: `trl_matched` with `use_liger_kernel=True` (Liger's fused linear cross-entropy and kernels for the
   model; needs liger-kernel and a CUDA GPU).
-- `hfl3`: the recipe's `build_trainer` from `recipes/configs/sft_gsm8k.yaml` (assistant-only masks; off GPU the loss is
+- `hfl3`: the recipe's `build_sft_trainer` from `recipes/configs/sft_gsm8k.yaml` (assistant-only masks; off GPU the loss is
   a chunked linear + cross-entropy over the supervised positions, `add_supervised_nll`).
 - `hfl3_packed`: the same with `--packing` (TRL's best-fit decreasing, padding-free).
 
@@ -115,7 +115,7 @@ def worker(row: str, args) -> dict:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         # SFTConfig's default bf16=True refuses to start on a CPU unless use_cpu is set (then: CPU bf16 autocast)
         extra = {"use_cpu": not torch.cuda.is_available()}
-        if row in ("trl_matched", "trl_liger"):  # the recipe's defaults (hfl3.trainers.sft.SFTLoRAConfig)
+        if row in ("trl_matched", "trl_liger"):  # the recipe's defaults (hfl3.trainers.sft.ChatSFTConfig)
             extra.update(bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
                          gradient_checkpointing=False, use_liger_kernel=row == "trl_liger")
         trainer = SFTTrainer(
@@ -126,7 +126,9 @@ def worker(row: str, args) -> dict:
         )
     else:
         sys.path.insert(0, str(REPO / "recipes"))
-        from sft_lora import build_trainer, make_parser
+        from sft_lora import make_parser
+
+        from hfl3.trainers.sft_builder import build_sft_trainer
 
         with open(subset, "w", encoding="utf-8") as f:
             f.writelines(json.dumps({"messages": list(r.messages)}) + "\n" for r in records)
@@ -134,9 +136,8 @@ def worker(row: str, args) -> dict:
                "--train_file", str(subset), "--eval_file", "", "--eval_strategy", "no",
                "--lr_scheduler_type", "linear", "--warmup_steps", "0"]
         cli += [f"--{key}={value}" for key, value in common.items()] + (["--packing"] if row == "hfl3_packed" else [])
-        script_args, model_args, training_args = make_parser().parse_args_and_config(cli)
-        script_args.eval_file = None
-        trainer, _, _ = build_trainer(script_args, training_args, model_args)
+        script_args, model_args, training_args, setup = make_parser().parse_args_and_config(cli)
+        trainer = build_sft_trainer(script_args, training_args, model_args, setup).trainer
     timer = Timer()
     trainer.add_callback(timer.callback)
     if torch.cuda.is_available():

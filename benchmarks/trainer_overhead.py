@@ -1,5 +1,6 @@
-"""Overhead of hfl3's training path (HF Trainer via `L3GPTTrainer`, the recipe's callbacks, MuonAdamW) over an
-equivalent plain PyTorch loop, on the same tiny L3GPT and the same batches. Goal: ≤ 1.05×.
+"""Overhead of hfl3's training path (the recipe's `PretrainTrainer` from `hfl3.trainers.pretrain_builder`: its
+collator, callbacks and MuonAdamW) over an equivalent plain PyTorch loop, on the same tiny L3GPT and the same
+batches. Goal: ≤ 1.05×.
 
 The two paths alternate step by step: after each Trainer step, a callback advances the plain loop (a generator) by
 one step, so both see the same machine load at the same moments (this box is shared). A Trainer step is the time
@@ -37,14 +38,13 @@ from torch.utils.data import DataLoader
 from transformers import HfArgumentParser, TrainerCallback, get_scheduler, set_seed
 
 from hfl3 import L3GPTForCausalLM
-from hfl3.callbacks import LossPlotCallback, ThroughputCallback
 from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
-import text_corpus as text
-from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
+from hfl3.trainers.pretrain import PackedCollator, PretrainConfig
+from hfl3.trainers.pretrain_builder import build_model, build_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import text_corpus as text  # noqa: E402
 from common import CPU_SHAPE, GPU_SHAPE, ModelShape, find_asset, shown_path, write_result  # noqa: E402
 
 # A shape flag left unset: nanochat's d12 on a GPU; on a CPU the benchmarks' CPU shape with 8 rows per step.
@@ -96,17 +96,15 @@ def build_data(args: OverheadArguments):
     return tokenizer, packed, allocation_sample
 
 
-def build_model(args: OverheadArguments, tokenizer, allocation_sample, seed: int) -> L3GPTForCausalLM:
+def make_model(args: OverheadArguments, training_args: PretrainConfig, tokenizer, allocation_sample,
+               seed: int) -> L3GPTForCausalLM:
+    """The recipe's model (`build_model`) at this benchmark's shape, seeded."""
     config = ModelShape.of(args, vocab_size=len(tokenizer)).config(
         window_pattern="L", l3_after_layers=[] if args.dense else args.l3_after_layers,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     set_seed(seed)
-    model = L3GPTForCausalLM(config)
-    if config.l3_after_layers:
-        model.set_l3_allocation(lzw_allocation(allocation_sample, config.vocab_size, config.l3_n_emb,
-                                               config.l3_k_max))
-    return model
+    return build_model(config, training_args, allocation_sample=lambda: allocation_sample)
 
 
 def plain_loop(model, training_args: PretrainConfig, dataset, collator):
@@ -169,24 +167,19 @@ class AlternatingSteps(TrainerCallback):
 def run_round(args: OverheadArguments, tokenizer, packed, allocation_sample, output_dir: str, seed: int) -> dict:
     """One round: fresh identical models, the Trainer driving, the plain loop stepped alongside."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    trainer_model = build_model(args, tokenizer, allocation_sample, seed).to(device)
-    plain_model = build_model(args, tokenizer, allocation_sample, seed).to(device)
     steps = args.warmup_steps + args.steps + 1  # the first Trainer interval ends at the 2nd step
     training_args = PretrainConfig(
-        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=args.batch_size,
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=args.batch_size, max_length=args.seq_len,
         optim=args.optim, warmup_steps=3, eval_strategy="no", train_sampling_strategy="sequential",
         logging_steps=min(10, steps),
         report_to="none", seed=seed, dataloader_num_workers=0, dataloader_pin_memory=False,
         bf16=args.bf16, torch_compile=args.compile, use_cpu=not torch.cuda.is_available(),  # bf16 on a CPU needs it
     )
-    collator = PackedCollator(tokenizer.bos_token_id)
-    alternating = AlternatingSteps(plain_loop(plain_model, training_args, packed, collator))
-    trainer = L3GPTTrainer(
-        model=trainer_model, args=training_args, train_dataset=packed, data_collator=collator,
-        processing_class=tokenizer,
-        callbacks=[alternating, ThroughputCallback(flops_per_token(trainer_model.config, args.seq_len)),
-                   LossPlotCallback(("loss",))],
-    )
+    trainer_model = make_model(args, training_args, tokenizer, allocation_sample, seed).to(device)
+    plain_model = make_model(args, training_args, tokenizer, allocation_sample, seed).to(device)
+    alternating = AlternatingSteps(plain_loop(plain_model, training_args, packed, PackedCollator(tokenizer.bos_token_id)))
+    trainer = build_trainer(trainer_model, training_args, packed, flops_per_token(trainer_model.config, args.seq_len),
+                            tokenizer=tokenizer, callbacks=[alternating])
     trainer.train()
     max_difference = max((a - b).abs().max().item()
                          for a, b in zip(trainer_model.parameters(), plain_model.parameters()))

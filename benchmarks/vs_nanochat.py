@@ -6,8 +6,9 @@ Arms (each in a fresh process, so compile caches and peak memory are its own):
   dynamic=False)`, `setup_optimizer()`, then `loss = model(x, y); loss.backward(); optimizer.step();
   model.zero_grad(set_to_none=True)`. Its attention is FA3 when its loader can fetch the kernel from the Hub, else
   its SDPA fallback (the case on an offline machine; the arm reports which).
-- `hfl3`: hfl3's real path: `L3GPTTrainer` (HF Trainer) with `MuonAdamW`, the recipe's `PackedCollator`,
-  `ThroughputCallback` and `LossPlotCallback`, bf16 autocast on CUDA, `torch_compile` as asked.
+- `hfl3`: the recipe's path: the model and `PretrainTrainer` (HF Trainer) from `hfl3.trainers.pretrain_builder`
+  (`build_model`, `build_trainer`: `MuonAdamW`, `PackedCollator`, `ThroughputCallback`), bf16 autocast on CUDA,
+  `torch_compile` as asked.
 - `hfl3_l3`: the same with one L3 layer after layer `depth // 2 - 1` (LZW allocation of the token stream).
 - `hfl3_legacy`: the same dense model without nanochat master's value embeddings, smear and backout
   (`LEGACY_FIELD_VALUES`, the core before them), for the question whether the new core costs tokens/s.
@@ -218,17 +219,16 @@ class WindowCallback(TrainerCallback):
 
 
 def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
-    """hfl3's path: `L3GPTTrainer` + `MuonAdamW` + the recipe's collator and callbacks, changed as `HFL3_ARMS[arm]`
-    says (L3 layer, legacy core, FP8)."""
+    """hfl3's path: the recipe's `build_model` and `build_trainer` (`PretrainTrainer` + `MuonAdamW` + the collator
+    and callbacks), changed as `HFL3_ARMS[arm]` says (L3 layer, legacy core, FP8)."""
     import datasets
 
-    from hfl3 import L3GPTForCausalLM, fp8
-    from hfl3.callbacks import LossPlotCallback, ThroughputCallback
-    from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
+    from hfl3 import fp8
+    from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES, flops_per_token
+    from hfl3.trainers.compute_optimal import parameter_counts
+    from hfl3.trainers.pretrain import PretrainConfig
+    from hfl3.trainers.pretrain_builder import build_model, build_trainer
     from l3_flops import l3_lookup_flops_per_token
-    from hfl3.models.l3gpt import lzw_allocation
-    from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES
-    from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
 
     change = HFL3_ARMS[arm]
     total = args.warmup_steps + args.steps
@@ -240,39 +240,31 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
         **(dict(LEGACY_FIELD_VALUES) if change.get("legacy_core") else {}),
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):  # initialised where it trains: a d20 model's CPU init alone takes seconds
-        model = L3GPTForCausalLM(config)
-    fpt = flops_per_token(config, args.seq_len)
-    if config.l3_after_layers:
-        allocation = lzw_allocation(rows[: max(1, 200_000 // args.seq_len)].tolist(), config.vocab_size,
-                                    config.l3_n_emb, config.l3_k_max)
-        model.set_l3_allocation(allocation)
-        fpt += l3_lookup_flops_per_token(config, float(allocation.numpy()[rows].mean()))
     recipe = change.get("fp8")
-    if recipe in ("tensorwise", "rowwise"):
-        fp8.convert_to_float8_training(model, recipe=recipe)
     window = Window(args.warmup_steps, total)
     training_args = PretrainConfig(
-        output_dir=output_dir, max_steps=total + profiled, per_device_train_batch_size=args.batch_size, optim="muon",
-        bf16=args.bf16 and recipe != "ao", torch_compile=args.compile, warmup_steps=2, eval_strategy="no",
-        report_to="none", logging_steps=args.steps, disable_tqdm=True, attend_across_documents=True,
-        dataloader_num_workers=args.dataloader_num_workers, save_strategy="no",
+        output_dir=output_dir, max_steps=total + profiled, per_device_train_batch_size=args.batch_size,
+        max_length=args.seq_len, optim="muon", bf16=args.bf16 and recipe != "ao", torch_compile=args.compile,
+        warmup_steps=2, eval_strategy="no", report_to="none", logging_steps=args.steps, disable_tqdm=True,
+        attend_across_documents=True, dataloader_num_workers=args.dataloader_num_workers, save_strategy="no",
         fp8=recipe if recipe != "ao" else None, use_cpu=device == "cpu",  # bf16 on a CPU needs use_cpu
     )
+    # initialised where it trains: a d20 model's CPU init alone takes seconds
+    model = build_model(config, training_args, lambda: rows[: max(1, 200_000 // args.seq_len)].tolist(), device)
     if recipe == "ao" and fp8.check_ao_backend(training_args, model) is None:
         raise RuntimeError(f"hfl3_fp8_ao: accelerate's AO backend is not on; the arm needs {AO_ENVIRONMENT}")
-    trainer = L3GPTTrainer(
-        model=model, args=training_args, train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
-        data_collator=PackedCollator(BOS, attend_across_documents=True),
-        callbacks=[WindowCallback(window, StepProfiler(args.profile_dir, arm, total, total + profiled)),
-                   ThroughputCallback(fpt, warmup_steps=args.warmup_steps),
-                   LossPlotCallback(("loss",))],
-    )
+    fpt = flops_per_token(config, args.seq_len)
+    if config.l3_after_layers:
+        fpt += l3_lookup_flops_per_token(config, float(model.model.l3_counts().cpu().numpy()[rows].mean()))
+    trainer = build_trainer(model, training_args, datasets.Dataset.from_dict({"input_ids": rows}), fpt,
+                            bos_token_id=BOS, callbacks=[WindowCallback(window, StepProfiler(
+                                args.profile_dir, arm, total, total + profiled))])
     trainer.train()
-    tables = sum(p.numel() for n, p in model.named_parameters() if "_table" in n)
+    counts = parameter_counts(model)
+    tables = counts["l3_table"]
     precision = f"fp8 {recipe}" + (" (accelerate's torchao backend)" if recipe == "ao" else " (hfl3 Float8Linear)")
     return dict(flops_per_token=fpt, seconds=window.seconds, first_step_seconds=window.first_step_seconds,
-                attention=args.attn_implementation, dense_parameters=model.num_parameters() - tables,
+                attention=args.attn_implementation, dense_parameters=counts["total"] - tables,
                 table_parameters=tables, precision=precision if recipe else "bf16" if args.bf16 else "fp32")
 
 

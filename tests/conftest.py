@@ -127,6 +127,8 @@ def run_without_hfl3(tmp_path):
 def pytest_configure(config):
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistGroupsCheck(), "hfl3-xdist-groups-check")
+    else:  # the groups set at collection are pytest-xdist's mark, declared by it when it is loaded
+        config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's scheduling group (unused here)")
     config.addinivalue_line("markers", "gemma3: uses the Gemma 3 tokenizer (not redistributable, see "
                                        "tests/conftest.py): skipped, naming what to set, where it is not found")
 

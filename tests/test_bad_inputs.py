@@ -32,11 +32,11 @@ from hfl3.data.chat import InvalidChatRecord, write_chat_jsonl
 from hfl3.data.sft import load_sft_data
 from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers import inputs
+from hfl3.trainers import arguments as recipe_arguments
 from hfl3.trainers.guards import NonFiniteTrainingError, check_vocabulary_fits
-from hfl3.trainers.launch import parse_recipe_args
-from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
-from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig
+from hfl3.trainers.arguments import parse_recipe_args
+from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator, PretrainConfig
+from hfl3.trainers.sft import ChatSFTTrainer, ChatSFTConfig
 
 BOM = codecs.BOM_UTF8
 LORA = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -306,9 +306,9 @@ def test_the_valid_inputs_pass(repo_root, valid_inputs):
     hub_style = load_recipe(repo_root, "sft_lora").make_parser().parse_args_and_config(
         ["--model_name_or_path", str(valid_inputs / "model"), "--dataset_name", str(valid_inputs / "hub_style"),
          "--dataset_test_split", "test", "--output_dir", str(valid_inputs / "out")])
-    assert hub_style[0].dataset_test_split == "test" and hub_style[2].eval_on_start
+    assert hub_style[0].dataset_test_split == "test" and hub_style[3].evaluation.on_start
     # `latest` with no checkpoint yet is a fresh run, resolved before the step-0 evaluation is decided
-    assert sft[2].resume_from_checkpoint is None and sft[2].eval_on_start
+    assert sft[3].output.resume_checkpoint is None and sft[3].evaluation.on_start
     pretrain = load_recipe(repo_root, "pretrain").make_parser().parse_args_and_config(
         ["--dataset", f"stdlib,{valid_inputs}/*.jsonl", "--tokenizer_name_or_path", str(valid_inputs / "tokenizer"),
          "--output_dir", str(valid_inputs / "out")])
@@ -376,12 +376,12 @@ def test_a_hub_id_online_is_looked_up_once_with_a_short_timeout(monkeypatch, tmp
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     if message is None:
-        inputs.check_pretrained("model_name_or_path", "nobody/x", inputs.MODEL, inputs.MODEL_FILES, "v2")
+        recipe_arguments.check_pretrained("model_name_or_path", "nobody/x", recipe_arguments.MODEL, recipe_arguments.MODEL_FILES, "v2")
     else:
         with pytest.raises(ValueError) as error:
-            inputs.check_pretrained("model_name_or_path", "nobody/x", inputs.MODEL, inputs.MODEL_FILES, "v2")
+            recipe_arguments.check_pretrained("model_name_or_path", "nobody/x", recipe_arguments.MODEL, recipe_arguments.MODEL_FILES, "v2")
         assert str(error.value) == message
-    assert calls == [("nobody/x", "v2", inputs.HUB_TIMEOUT_S)] and inputs.HUB_TIMEOUT_S <= 10
+    assert calls == [("nobody/x", "v2", recipe_arguments.HUB_TIMEOUT_S)] and recipe_arguments.HUB_TIMEOUT_S <= 10
 
 
 def test_a_hub_id_offline_is_looked_up_in_the_local_cache(tmp_path, monkeypatch):
@@ -393,9 +393,9 @@ def test_a_hub_id_offline_is_looked_up_in_the_local_cache(tmp_path, monkeypatch)
     (tmp_path / "models--hfl3-test--tiny" / "refs" / "main").write_text(commit)
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
     assert hub_constants.is_offline_mode()
-    inputs.check_pretrained("model_name_or_path", "hfl3-test/tiny", inputs.MODEL, inputs.MODEL_FILES)
+    recipe_arguments.check_pretrained("model_name_or_path", "hfl3-test/tiny", recipe_arguments.MODEL, recipe_arguments.MODEL_FILES)
     with pytest.raises(ValueError, match="with no copy of the Hub model hfl3-test/tiny in the local cache"):
-        inputs.check_pretrained("tokenizer_name_or_path", "hfl3-test/tiny", inputs.TOKENIZER, inputs.TOKENIZER_FILES)
+        recipe_arguments.check_pretrained("tokenizer_name_or_path", "hfl3-test/tiny", recipe_arguments.TOKENIZER, recipe_arguments.TOKENIZER_FILES)
 
 
 # ---- pretraining files --------------------------------------------------------------------------------------------
@@ -540,7 +540,7 @@ def test_pretraining_stops_at_the_first_non_finite_step(tmp_path, tokenizer, sha
     args = PretrainConfig(output_dir=str(tmp_path), max_steps=9, per_device_train_batch_size=BATCH, logging_steps=100,
                           eval_strategy="no", save_strategy="steps", save_steps=save_steps, report_to="none",
                           disable_tqdm=True, learning_rate=1e-3, warmup_steps=1)
-    trainer = L3GPTTrainer(model=L3GPTForCausalLM(config), args=args,
+    trainer = PretrainTrainer(model=L3GPTForCausalLM(config), args=args,
                            train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
                            data_collator=PackedCollator(tokenizer.bos_token_id),
                            callbacks=[Poison(step, lambda model: model.lm_head.weight, after)])
@@ -558,10 +558,10 @@ def test_sft_stops_at_the_first_non_finite_loss(tmp_path, tokenizer):
                          max_length=48)
     config = L3GPTConfig.from_depth(1, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
                                     max_position_embeddings=64)
-    args = SFTLoRAConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_length=48,
+    args = ChatSFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_length=48,
                          eval_strategy="no", load_best_model_at_end=False, save_strategy="no", logging_steps=2,
                          report_to="none", disable_tqdm=True)
-    trainer = HFL3SFTTrainer(model=L3GPTForCausalLM(config), args=args, train_dataset=data.train,
+    trainer = ChatSFTTrainer(model=L3GPTForCausalLM(config), args=args, train_dataset=data.train,
                              processing_class=tokenizer, peft_config=LORA)
     lora_b = lambda model: next(p for name, p in model.named_parameters() if "lora_B" in name)  # noqa: E731
     trainer.add_callback(Poison(3, lora_b))

@@ -1,15 +1,22 @@
 """Bad chat input: by default the run stops naming file:line and the reason; with skip_invalid_records the record is
-skipped and counted, and the kept rows are exactly those of the valid lines."""
+skipped and counted, and the kept rows are exactly those of the valid lines. A file that is not JSONL (Parquet, Arrow,
+bzip2, empty) is one line naming it and the fix, before any record is encoded; gzip-compressed JSONL is read."""
 
+import bz2
+import gzip
+import hashlib
 import json
 
+import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from hfl3.data.chat import InvalidChatRecord, read_chat_jsonl
+from hfl3.data.chat import InvalidChatRecord, SFTDataError, read_chat_jsonl
+from hfl3.data.masks import AssistantMasker
 from hfl3.data.sft import load_sft_data
-from hfl3.trainers.inputs import check_sft_arguments
-from hfl3.trainers.sft import SFTLoRAConfig
+from hfl3.trainers.arguments import check_sft_arguments, decide_evaluation
+from hfl3.trainers.sft_builder import build_sft_trainer
+from hfl3.trainers.sft import ChatSFTConfig
 
 
 def line(messages) -> bytes:
@@ -44,6 +51,12 @@ BAD = [
     ("malformed JSON", b'{"messages": [\n', "malformed JSON", "malformed"),
     ("not an object", b"[1, 2]\n", "expected a JSON object", "malformed"),
     ("no messages", b'{"conversation": []}\n', "no 'messages' field", "malformed"),
+    ("messages null", b'{"id": 7, "messages": null}\n', "'messages' is null; expected {\"messages\": [...]}",
+     "malformed"),
+    ("duplicated key", b'{"messages": [{"role": "user", "content": "Hi", "content": "Bye"}, {"role": "assistant", '
+                       b'"content": "Hello"}]}\n', "the key 'content' appears twice in one object", "malformed"),
+    ("duplicated top-level key", line([U, A])[:-2] + b', "messages": []}\n', "the key 'messages' appears twice",
+     "malformed"),
     ("messages not a list", b'{"messages": "hi"}\n', "must be a non-empty list", "malformed"),
     ("empty messages", b'{"messages": []}\n', "must be a non-empty list", "malformed"),
     ("message not an object", line(["hi", A]), "message 0 is a str", "malformed"),
@@ -186,7 +199,100 @@ def test_recipe_stops_before_loading_the_model(tmp_path, assets, sft_recipe):
     script = sft_recipe.SFTScriptArguments(train_file=str(data), val_split=0.5)
     model = sft_recipe.SFTModelArguments(model_name_or_path=str(assets / "tokenizers" / "qwen3"))  # has no weights
     with pytest.raises(InvalidChatRecord, match=rf"^{data}:2: message 1 has role 'bot'"):
-        sft_recipe.build_trainer(script, SFTLoRAConfig(output_dir=str(tmp_path / "out")), model)
-    asked_to_evaluate = SFTLoRAConfig(output_dir=str(tmp_path), eval_strategy="steps")
+        build_sft_trainer(script, ChatSFTConfig(output_dir=str(tmp_path / "out")), model)
+    asked_to_evaluate = ChatSFTConfig(output_dir=str(tmp_path), eval_strategy="steps")
+    has_eval_data = check_sft_arguments(sft_recipe.SFTScriptArguments(train_file=str(data)), asked_to_evaluate, model)
     with pytest.raises(ValueError, match="needs --dataset_test_split, --val_split or --eval_file"):
-        check_sft_arguments(sft_recipe.SFTScriptArguments(train_file=str(data)), asked_to_evaluate, model)
+        decide_evaluation(asked_to_evaluate, has_eval_data, resuming=False)
+
+
+def encoded_records(monkeypatch) -> list:
+    """Counts `AssistantMasker.encode` calls (one per record encoded) from now on."""
+    calls = []
+    original = AssistantMasker.encode
+    monkeypatch.setattr(AssistantMasker, "encode", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    return calls
+
+
+def parquet_file(path, records):
+    datasets.Dataset.from_list(records).to_parquet(str(path))
+    return path
+
+
+def arrow_file(path, records):
+    import pyarrow as pa
+
+    table = datasets.Dataset.from_list(records).data.table
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return path
+
+
+RECORDS = [json.loads(good) for good in GOOD]
+# (case, how the file is written, the error after "--train_file PATH: ")
+NOT_JSONL = [
+    ("Parquet", lambda path: parquet_file(path, RECORDS),
+     "a Parquet file, not JSONL; pass it as --dataset_name {path}, which reads it"),
+    ("Arrow", lambda path: arrow_file(path, RECORDS),
+     "an Arrow file, not JSONL; pass it as --dataset_name {path}, which reads it"),
+    ("bzip2", lambda path: path.write_bytes(bz2.compress(b"".join(GOOD))),
+     "a bzip2-compressed file, not JSONL; decompress it to JSONL (gzip is read as it is)"),
+    ("empty", lambda path: path.write_bytes(b""), "the file is empty; expected one JSON record per line"),
+    ("blank lines only", lambda path: path.write_bytes(b"\n  \n\xef\xbb\xbf\r\n\t\n"),
+     "the file holds only blank lines; expected one JSON record per line"),
+    ("gzip of blank lines", lambda path: path.write_bytes(gzip.compress(b"\n\n")),
+     "the file holds only blank lines; expected one JSON record per line"),
+    ("broken gzip", lambda path: path.write_bytes(gzip.compress(b"".join(GOOD))[:-12]), "not a readable gzip file"),
+]
+
+
+@pytest.mark.parametrize("case, write_file, message", NOT_JSONL, ids=[c[0] for c in NOT_JSONL])
+@pytest.mark.parametrize("argument", ["train_file", "eval_file"])
+def test_a_file_that_is_not_jsonl_is_named_before_any_record_is_encoded(tmp_path, qwen3, monkeypatch, case,
+                                                                        write_file, message, argument):
+    bad = tmp_path / "data.jsonl"
+    write_file(bad)
+    good = write(tmp_path / "good.jsonl", GOOD)
+    calls = encoded_records(monkeypatch)
+    files = {"train_file": bad, "eval_file": good} if argument == "train_file" else \
+        {"train_file": good, "eval_file": bad}
+    with pytest.raises(SFTDataError) as error:
+        load_sft_data(qwen3, **files, cache_dir=str(tmp_path / "cache"))
+    assert str(error.value).startswith(f"--{argument} {bad}: " + message.format(path=bad))
+    assert "\n" not in str(error.value) and calls == []
+
+
+def test_gzip_jsonl_is_read_as_the_plain_file(tmp_path, qwen3, assets):
+    lines = (assets / "chat" / "gsm8k_messages_train.jsonl").read_bytes().splitlines(keepends=True)[:30]
+    plain = write(tmp_path / "chats.jsonl", lines[:20] + [b"\n", CASES["unknown role"][1]] + lines[20:])
+    packed = tmp_path / "chats.jsonl.gz"  # two gzip members, as `cat a.gz b.gz` makes
+    packed.write_bytes(gzip.compress(b"".join(lines[:20])) + gzip.compress(b"".join([b"\n", CASES["unknown role"][1]]
+                                                                               + lines[20:])))
+    cache = str(tmp_path / "cache")
+    with pytest.raises(InvalidChatRecord, match=rf"^{packed}:22: message 1 has role 'bot'"):
+        load_sft_data(qwen3, packed, cache_dir=cache)
+    reference = load_sft_data(qwen3, plain, skip_invalid_records=True, cache_dir=cache)
+    for num_proc in (1, 2):
+        read = load_sft_data(qwen3, packed, skip_invalid_records=True, dataset_num_proc=num_proc,
+                             cache_dir=str(tmp_path / f"cache{num_proc}"))
+        assert read.train["input_ids"] == reference.train["input_ids"] and read.train["labels"] == \
+            reference.train["labels"]
+        assert read.provenance["train_records_sha256"] == reference.provenance["train_records_sha256"]
+        assert read.stats["train_file"].first_errors == [f"{packed}:22: message 1 has role 'bot'; expected one of "
+                                                         "system/developer/user/assistant/tool"]
+    assert read.provenance["files_sha256"] == {str(packed): hashlib.sha256(packed.read_bytes()).hexdigest()}
+
+
+def test_a_key_given_twice_in_a_dataset_file_is_one_line(tmp_path, qwen3):
+    """A `--dataset_name` JSON file is parsed by `datasets` (pyarrow), which hfl3 does not see: its error, one line."""
+    data = write(tmp_path / "dup.jsonl", [GOOD[0], CASES["duplicated key"][1]])
+    with pytest.raises(SFTDataError, match=rf"^--dataset_name {data} \(train split\): datasets cannot read it: .*"
+                                           r"content.* specified twice"):
+        load_sft_data(qwen3, dataset_name=str(data), cache_dir=str(tmp_path / "cache"))
+
+
+def test_an_empty_dataset_split_is_one_line(tmp_path, qwen3):
+    empty = tmp_path / "empty.parquet"
+    datasets.Dataset.from_list([{"text": "x"}]).select([]).to_parquet(str(empty))
+    with pytest.raises(SFTDataError, match=rf"^--dataset_name {empty} \(train split\): no rows$"):
+        load_sft_data(qwen3, dataset_name=str(empty), cache_dir=str(tmp_path / "cache"))

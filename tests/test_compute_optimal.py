@@ -1,6 +1,6 @@
 """nanochat's compute-optimal dial (`hfl3.trainers.compute_optimal`): equal to what nanochat master's own
 `scripts/base_train.py` computes, the formulas, the gradient-accumulation derivation and its errors, and the plan
-reaching the optimizer through `PretrainConfig` and `L3GPTTrainer`."""
+reaching the optimizer through `PretrainConfig` and `PretrainTrainer`."""
 
 import json
 import math
@@ -14,7 +14,7 @@ from hfl3.trainers.compute_optimal import (
     compute_optimal_plan,
     derive_gradient_accumulation_steps,
 )
-from hfl3.trainers.pretrain import L3GPTTrainer, PretrainConfig
+from hfl3.trainers.pretrain import PretrainTrainer, PretrainConfig
 
 # nanochat master (karpathy/nanochat 92d63d4) run on its own code, up to its training loop, on the meta device:
 #   python dev/nanochat_dial_reference.py --nanochat_dir PATH/TO/nanochat --depth D --world_size W [-- EXTRA]
@@ -210,7 +210,7 @@ def test_the_plan_reaches_the_trainer_and_its_optimizer(tmp_path, optim):
     assert "batch_lr_scale" not in args.to_dict()  # derived, not an argument
     with pytest.raises(RuntimeError, match="already applied"):
         args.apply_compute_optimal_plan(plan)
-    trainer = L3GPTTrainer(model=model, args=args)
+    trainer = PretrainTrainer(model=model, args=args)
     trainer.create_optimizer_and_scheduler(args.max_steps)
     if optim == "muon":
         lrs = {group["name"]: group["lr"] for group in trainer.optimizer.param_groups}
@@ -229,12 +229,12 @@ def test_the_plan_reaches_the_trainer_and_its_optimizer(tmp_path, optim):
 def test_recipe_configs_use_the_dial(tmp_path, pretrain_recipe, repo_root, name, depth, steps, batch, accumulation):
     """The FineWeb configs set no max_steps: a dry run (no data read, vocabulary --vocab_size 32768, one process)
     plans nanochat master's run for their depth."""
-    from hfl3.trainers.launch import parse_recipe_args
+    from hfl3.trainers.arguments import parse_recipe_args
 
-    script_args, model_args, training_args = parse_recipe_args(pretrain_recipe.make_parser(), [
+    script_args, model_args, training_args, setup = parse_recipe_args(pretrain_recipe.make_parser(), [
         "--config", str(repo_root / "recipes" / "configs" / f"{name}.yaml"), "--dry_run", "--use_cpu",
         "--output_dir", str(tmp_path / "never_written")])
-    plan = pretrain_recipe.main(script_args, training_args, model_args)
+    plan = pretrain_recipe.main(script_args, training_args, model_args, setup)
     assert model_args.depth == depth and training_args.max_steps == -1  # nothing applied by a dry run
     assert (plan["max_steps"], plan["total_batch_size"], plan["gradient_accumulation_steps"]) == (
         steps, batch, accumulation)

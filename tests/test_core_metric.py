@@ -364,7 +364,7 @@ def test_training_evaluates_every_n_steps_and_at_the_end(saved_models, assets, t
     from hfl3.callbacks import ThroughputCallback
     from hfl3.evaluate import CoreMetricCallback
     from hfl3.tokenization import load_tokenizer
-    from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
+    from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator, PretrainConfig
 
     tokenizer = load_tokenizer(str(saved_models / "l3gpt"))
     model = L3GPTForCausalLM.from_pretrained(saved_models / "l3gpt", dtype=torch.float32)
@@ -374,7 +374,7 @@ def test_training_evaluates_every_n_steps_and_at_the_end(saved_models, assets, t
     args = PretrainConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, logging_steps=1,
                           eval_strategy="no", report_to="none", disable_tqdm=True, core_metric_every=2,
                           core_bundle_dir=str(BUNDLE))
-    trainer = L3GPTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
+    trainer = PretrainTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
                            data_collator=PackedCollator(tokenizer.bos_token_id), processing_class=tokenizer,
                            callbacks=[ThroughputCallback()])
     bundle = load_core_bundle(BUNDLE)
@@ -393,7 +393,7 @@ def test_training_evaluates_every_n_steps_and_at_the_end(saved_models, assets, t
 def test_recipe_arguments_for_core_are_checked_before_any_work(pretrain_recipe, tmp_path, capsys, monkeypatch):
     from huggingface_hub import constants
 
-    from hfl3.trainers.launch import parse_recipe_args
+    from hfl3.trainers.arguments import parse_recipe_args
 
     monkeypatch.setattr(constants, "HF_ASSETS_CACHE", str(tmp_path / "assets"))  # nothing cached
     cases = [(["--core_metric_every", "0"], "core_metric_every=0: expected N > 0"),
@@ -406,7 +406,7 @@ def test_recipe_arguments_for_core_are_checked_before_any_work(pretrain_recipe, 
         error = capsys.readouterr().err
         assert stopped.value.code == 2 and message in error, (args, error)
         assert len(error.strip().splitlines()) == 2  # the usage line, then the error
-    _, _, training_args = parse_recipe_args(pretrain_recipe.make_parser(), [
+    _, _, training_args, _ = parse_recipe_args(pretrain_recipe.make_parser(), [
         "--output_dir", str(tmp_path / "out"), "--core_metric_every", "5", "--core_bundle_dir", str(BUNDLE)])
     assert training_args.core_metric_every == 5 and training_args.core_metric_max_per_task == 500
 

@@ -27,7 +27,7 @@ from hfl3.trainers.outputs import (
     latest_checkpoint,
     prepare_output_dir,
 )
-from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
+from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator, PretrainConfig
 
 TINY = ["--max_steps", "12", "--save_strategy", "steps", "--save_steps", "4", "--logging_steps", "2",
         "--tokenizer_train_chars", "100000", "--l3_sample_tokens", "20000", "--max_eval_rows", "4"]
@@ -50,6 +50,12 @@ def snapshot(folder):
     return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file()}
 
 
+def tree(folder, pattern):
+    """{relative path: bytes} of every file under the subfolders of `folder` matching `pattern`."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for sub in folder.glob(pattern) for p in sub.rglob("*")
+            if p.is_file()}
+
+
 @pytest.mark.slow
 def test_killed_three_times_the_run_resumes_to_the_uninterrupted_weights(tmp_path, repo_root):
     reference = tmp_path / "reference"
@@ -62,29 +68,37 @@ def test_killed_three_times_the_run_resumes_to_the_uninterrupted_weights(tmp_pat
     for name in ["metadata.json", "README.md", "checkpoint-12/trainer_state.json"]:
         assert str(tmp_path) not in (reference / name).read_text(), name
 
-    # A new run over the finished folder (--overwrite_output_dir), killed mid-step: the old files are untouched
+    # A new run over the finished folder (--overwrite_output_dir), killed mid-step: the old folder is untouched, its
+    # checkpoints included; the new run's checkpoints are staged apart, where a kill cannot mix the two runs
     run = tmp_path / "run"
     shutil.copytree(reference, run)
-    before = snapshot(run)
+    before, old_checkpoints = snapshot(run), tree(run, "checkpoint-*")
     result = launch(repo_root, run, "--overwrite_output_dir", kill="step:6")
     assert result.returncode != 0
     assert snapshot(run) == before  # old code wrote the new tokenizer into output_dir before training
-    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-4"]  # the old run's went with it
+    assert tree(run, "checkpoint-*") == old_checkpoints  # old code deleted them once the new run had one
+    assert sorted(p.name for p in (run / STAGING / "run").glob("checkpoint-*")) == ["checkpoint-4"]
 
     # Killed mid-checkpoint (optimizer.pt of checkpoint-8 written empty): checkpoint-8 never appears
-    result = launch(repo_root, run, "--resume_from_checkpoint", "latest", kill="save:checkpoint-8/optimizer.pt")
+    again = ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"]
+    result = launch(repo_root, run, *again, kill="save:checkpoint-8/optimizer.pt")
     assert result.returncode != 0 and "Resuming" not in result.stderr[-200:]
-    assert not (run / "checkpoint-8").exists() and (run / STAGING / "checkpoints" / "checkpoint-8").is_dir()
+    assert not (run / STAGING / "run" / "checkpoint-8").exists()
+    assert (run / STAGING / "checkpoints" / "checkpoint-8").is_dir()
+    assert tree(run, "checkpoint-*") == old_checkpoints
 
     # Killed mid-final-save (the staged model.safetensors written): the old folder is still whole
-    result = launch(repo_root, run, "--resume_from_checkpoint", "latest", kill="save:final/model.safetensors")
+    result = launch(repo_root, run, *again, kill="save:final/model.safetensors")
     assert result.returncode != 0
     assert "skipping checkpoint-8: interrupted while saving" in result.stderr
-    assert snapshot(run)["model.safetensors"] == before["model.safetensors"]
-    assert snapshot(run)["metadata.json"] == before["metadata.json"]
+    assert snapshot(run) == before and tree(run, "checkpoint-*") == old_checkpoints
 
-    result = launch(repo_root, run, "--resume_from_checkpoint", "true")
+    result = launch(repo_root, run, "--overwrite_output_dir", "--resume_from_checkpoint", "true")
     assert result.returncode == 0, result.stderr[-4000:]
+    assert not (run / STAGING).exists()
+    new_checkpoints = tree(run, "checkpoint-*")  # the new run's three, moved in by the commit
+    assert sorted({name.split("/")[0] for name in new_checkpoints}) == ["checkpoint-12", "checkpoint-4", "checkpoint-8"]
+    assert new_checkpoints != old_checkpoints
     resumed, uninterrupted = load_file(run / "model.safetensors"), load_file(reference / "model.safetensors")
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
@@ -103,11 +117,13 @@ def test_a_non_empty_output_dir_is_refused_before_any_work(tmp_path):
     with pytest.raises(FileExistsError, match="--resume_from_checkpoint latest to continue.*--overwrite_output_dir"):
         prepare_output_dir(args)
     args.overwrite_output_dir = True
-    assert prepare_output_dir(args) is None
+    folder = prepare_output_dir(args)
+    assert folder.resume_checkpoint is None and folder.replacing and folder.run_dir == tmp_path / STAGING / "run"
     assert (tmp_path / "model.safetensors").read_bytes() == b"old"
     empty = tmp_path / "fresh"
     (empty / STAGING / "work").mkdir(parents=True)  # leftovers of a run killed before its first checkpoint
-    assert prepare_output_dir(PretrainConfig(output_dir=str(empty), report_to="none")) is None
+    folder = prepare_output_dir(PretrainConfig(output_dir=str(empty), report_to="none"))
+    assert folder.resume_checkpoint is None and not folder.replacing
 
 
 def test_latest_skips_incomplete_checkpoints_with_a_warning(tmp_path, caplog):
@@ -123,7 +139,8 @@ def test_latest_skips_incomplete_checkpoints_with_a_warning(tmp_path, caplog):
     assert "checkpoint-8: interrupted" in caplog.text and "empty file(s) optimizer.pt" in caplog.text
     assert "checkpoint-6: trainer_state.json unreadable" in caplog.text
     args = PretrainConfig(output_dir=str(tmp_path), resume_from_checkpoint="latest", report_to="none")
-    assert prepare_output_dir(args) == str(tmp_path / "checkpoint-2") == args.resume_from_checkpoint
+    assert prepare_output_dir(args).resume_checkpoint == str(tmp_path / "checkpoint-2")
+    assert args.resume_from_checkpoint == "latest"  # what was asked stays; the folder carries what it resolved to
     with pytest.raises(ValueError, match="incomplete checkpoint"):
         prepare_output_dir(PretrainConfig(output_dir=str(tmp_path), resume_from_checkpoint=str(tmp_path /
                                                                                                   "checkpoint-4")))
@@ -193,7 +210,7 @@ def tiny_trainer(output_dir, stream, depth=1, **kwargs):
     args = PretrainConfig(**{"output_dir": str(output_dir), "per_device_train_batch_size": 2, "learning_rate": 5e-3,
                              "logging_steps": 1, "eval_strategy": "no", "seed": 0, "disable_tqdm": True,
                              "report_to": "none", "save_strategy": "steps", **kwargs})
-    return L3GPTTrainer(model=L3GPTForCausalLM(config), args=args, train_dataset=stream,
+    return PretrainTrainer(model=L3GPTForCausalLM(config), args=args, train_dataset=stream,
                         processing_class=stream.tokenizer, data_collator=PackedCollator(stream.tokenizer.bos_token_id))
 
 
@@ -221,7 +238,7 @@ def test_sft_saves_no_token_and_resume_refuses_other_data(tmp_path, stream):
     from hfl3.data.chat import write_chat_jsonl
     from hfl3.data.sft import load_sft_data
     from hfl3.provenance import build_metadata
-    from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig
+    from hfl3.trainers.sft import ChatSFTTrainer, ChatSFTConfig
 
     lora = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     tokenizer, secret = stream.tokenizer, "hf_" + "Z9y8" * 9
@@ -229,10 +246,10 @@ def test_sft_saves_no_token_and_resume_refuses_other_data(tmp_path, stream):
     def trainer_on(answer_word, seed):
         data = load_sft_data(tokenizer, write_chat_jsonl(chats(answer_word, 8, seed=seed), tmp_path / f"{seed}.jsonl"),
                              max_length=64)
-        args = SFTLoRAConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
+        args = ChatSFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
                              eval_strategy="no", load_best_model_at_end=False, save_strategy="steps", save_steps=2,
                              max_length=64, hub_token=secret, report_to="none", disable_tqdm=True, seed=0)
-        return HFL3SFTTrainer(model=tiny_l3gpt(tokenizer), args=args, train_dataset=data.train,
+        return ChatSFTTrainer(model=tiny_l3gpt(tokenizer), args=args, train_dataset=data.train,
                               processing_class=tokenizer, peft_config=lora,
                               provenance=build_metadata(data=data.provenance, training_args=args.to_dict()))
 

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 from hfl3.data import inspect as inspect_cli
 from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.sft import SFTLoRAConfig
+from hfl3.trainers.sft import ChatSFTConfig
+from hfl3.trainers.sft_builder import build_sft_trainer
 
 GGUF_NAME = "tiny-qwen3-Q8_0.gguf"
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -93,15 +94,15 @@ def test_gguf_loads_dense_equal_to_the_file_and_trains_lora(gguf_model, tmp_path
     folder, original, expected, _, chats = gguf_model
     # What the loader must undo: transformers keeps its GGUF quantizer on the model, and the Trainer refuses that
     assert AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME).is_quantized
-    args = SFTLoRAConfig(
+    args = ChatSFTConfig(
         output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, max_length=64, learning_rate=1e-2,
         eval_strategy="no", load_best_model_at_end=False, save_strategy="no", report_to="none", disable_tqdm=True,
     )
     model_args = sft_recipe.SFTModelArguments(
         model_name_or_path=str(folder), gguf_file=GGUF_NAME, lora_r=4, lora_alpha=8, lora_dropout=0.0
     )
-    trainer, _, metadata = sft_recipe.build_trainer(sft_recipe.SFTScriptArguments(train_file=str(chats)), args,
-                                                       model_args)
+    run = build_sft_trainer(sft_recipe.SFTScriptArguments(train_file=str(chats)), args, model_args)
+    trainer, metadata = run.trainer, run.metadata
     base = trainer.model.get_base_model()
     assert not base.is_quantized and getattr(base, "hf_quantizer", None) is None
     assert getattr(base.config, "quantization_config", None) is None

@@ -16,9 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from hfl3.trainers.guards import exit_on_training_error
+from hfl3.trainers.exits import recipe_exits
 from hfl3.distributed import end_distributed_run
-from hfl3.trainers.launch import LaunchError, check_launch, launch_problem, parse_recipe_args
+from hfl3.trainers.arguments import parse_recipe_args
+from hfl3.trainers.launch import LaunchError, check_launch, launch_problem
 
 # Root logging configured first, as a recipe does, so every logged record would be printed
 LOGGING = "import logging; logging.basicConfig(level=logging.WARNING, format='%(name)s: %(message)s')\n"
@@ -193,7 +194,7 @@ def test_check_launch_reads_what_was_launched_and_what_was_set_up(monkeypatch):
 
 def test_a_launch_error_ends_the_recipe_with_one_line_and_status_2(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["recipes/pretrain.py"])
-    with pytest.raises(SystemExit) as exit_info, exit_on_training_error():
+    with pytest.raises(SystemExit) as exit_info, recipe_exits():
         raise LaunchError("what was set up instead; the fix")
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "pretrain.py: error: what was set up instead; the fix\n"
@@ -260,11 +261,11 @@ def test_a_run_the_dial_cannot_size_ends_in_one_line_before_the_tokenizer_is_tra
     status 2 before it trains its BPE (no tokenizer written to the staging area, nothing in the output folder)."""
     monkeypatch.setattr(sys, "argv", ["recipes/pretrain.py"])
     output = tmp_path / "out"
-    script_args, model_args, training_args = parse_recipe_args(pretrain_recipe.make_parser(), [
+    script_args, model_args, training_args, setup = parse_recipe_args(pretrain_recipe.make_parser(), [
         "--config", str(repo_root / "recipes/configs/pretrain_tiny.yaml"), "--use_cpu", "--report_to", "none",
         "--output_dir", str(output), "--max_steps", "-1", "--target_flops", "1"])
-    with pytest.raises(SystemExit) as exit_info, exit_on_training_error():
-        pretrain_recipe.main(script_args, training_args, model_args)
+    with pytest.raises(SystemExit) as exit_info, recipe_exits():
+        pretrain_recipe.main(script_args, training_args, model_args, setup)
     assert exit_info.value.code == 2
     assert re.fullmatch(r"pretrain\.py: error: target_flops=1 is less than one step of [\d,]+ tokens: raise it, or "
                         r"lower --total_batch_size\n", capsys.readouterr().err)

@@ -25,7 +25,8 @@ from hfl3.nanochat import convert_hf_to_nanochat, convert_nanochat_to_hf
 from hfl3.nanochat.convert_nanochat_to_hf import convert
 from hfl3.nanochat.convert_nanochat_tokenizer import load_nanochat_encoding
 from hfl3.provenance import sha256_file
-from hfl3.trainers.sft import SFTLoRAConfig
+from hfl3.trainers.sft import ChatSFTConfig
+from hfl3.trainers.sft_builder import build_sft_trainer
 
 TOLERANCE = 1e-10  # float64 op order only (module docstring)
 STEP = 120
@@ -207,13 +208,14 @@ def test_sft_lora_trains_on_a_converted_chat_model(tmp_path, tokenizer_dir, rank
     folder, _, _ = converted(tmp_path, tokenizer_dir, MASTER, seed=5)
     records = read_chat_jsonl(assets / "chat" / "gsm8k_messages_train.jsonl")[:12]
     chats = write_chat_jsonl([{"messages": list(r.messages)} for r in records], tmp_path / "chats.jsonl")
-    args = SFTLoRAConfig(
+    args = ChatSFTConfig(
         output_dir=str(tmp_path / "sft"), max_steps=2, per_device_train_batch_size=4, max_length=256,
         learning_rate=1e-2, eval_strategy="no", load_best_model_at_end=False, save_strategy="no", report_to="none",
         disable_tqdm=True,
     )  # fmt: skip
     model_args = sft_recipe.SFTModelArguments(model_name_or_path=str(folder), lora_r=4, lora_alpha=8, lora_dropout=0.0)
-    trainer, data, _ = sft_recipe.build_trainer(sft_recipe.SFTScriptArguments(train_file=str(chats)), args, model_args)
+    run = build_sft_trainer(sft_recipe.SFTScriptArguments(train_file=str(chats)), args, model_args)
+    trainer, data = run.trainer, run.data
     assert data.provenance["end_of_turn"] == "<|assistant_end|>"
     rendered = [render_conversation(list(record.messages), ranks) for record in records]
     expected = [(ids[:256], mask[:256]) for ids, mask in rendered if any(mask[1:256])]  # kept: a reply token left

@@ -17,7 +17,7 @@ from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data.sources import open_corpus
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
+from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator, PretrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_recipe_writes_a_complete_folder_and_learns(recipe_run):
         assert (output_dir / name).is_file(), name
     assert not (output_dir / "training_args.bin").exists()
     results = json.loads((output_dir / "all_results.json").read_text())
-    assert results["eval_bpb"] < results["initial_eval_bpb"]
+    assert results["eval_bpb"] < results["eval_before_bpb"]
     metadata = json.loads((output_dir / "metadata.json").read_text())
     digest = metadata["data"]["train_tokens_sha256"]
     assert len(digest) == 64 and metadata["versions"]["transformers"]
@@ -109,7 +109,7 @@ def stream(assets):
                         shuffle_buffer=64)
 
 
-class RowRecorder(L3GPTTrainer):
+class RowRecorder(PretrainTrainer):
     """Keeps a short hash of every training row, in the order the optimizer steps consume them."""
 
     rows: list[str]
@@ -173,9 +173,9 @@ def test_optim_selects_the_optimizer_and_muon_takes_the_group_lrs(tmp_path, stre
     """`--optim muon` (the Trainer's own flag) builds MuonAdamW with the `*_lr` fields, recorded as `use_muon` beside
     the `optim` that transformers validated; any other `--optim` the Trainer's optimizer, decaying only matrices."""
     from hfl3.optim import MuonAdamW
-    from hfl3.trainers.launch import parse_recipe_args
+    from hfl3.trainers.arguments import parse_recipe_args
 
-    _, _, args = parse_recipe_args(pretrain_recipe.make_parser(), [
+    _, _, args, _ = parse_recipe_args(pretrain_recipe.make_parser(), [
         "--output_dir", str(tmp_path), "--eval_strategy", "no", "--optim", "muon", "--matrix_lr", "0.05",
         "--embedding_lr", "0.1", "--l3_table_lr", "0.2"])
     assert args.use_muon and args.optim == "adamw_torch"
@@ -187,14 +187,14 @@ def test_optim_selects_the_optimizer_and_muon_takes_the_group_lrs(tmp_path, stre
     tokenizer = stream.tokenizer
     model = L3GPTForCausalLM(L3GPTConfig.from_depth(2, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
                                                     max_position_embeddings=64, l3_after_layers=[0], l3_k_max=8))
-    optimizer = L3GPTTrainer(model=model, args=args).create_optimizer()
+    optimizer = PretrainTrainer(model=model, args=args).create_optimizer()
     scale = (model.config.hidden_size / 768) ** -0.5
     lrs = {group["name"]: group["lr"] for group in optimizer.param_groups}
     assert isinstance(optimizer, MuonAdamW)
     assert lrs["matrix"] == 0.05 and lrs["embedding"] == pytest.approx(0.1 * scale)
     assert lrs["l3_table"] == pytest.approx(0.2 * scale) and lrs["unembedding"] == pytest.approx(0.004 * scale)
     sgd = PretrainConfig(output_dir=str(tmp_path), eval_strategy="no", optim="sgd", weight_decay=0.1)
-    optimizer = L3GPTTrainer(model=model, args=sgd).create_optimizer()
+    optimizer = PretrainTrainer(model=model, args=sgd).create_optimizer()
     assert type(optimizer) is torch.optim.SGD
     assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
     assert all(p.ndim >= 2 for p in optimizer.param_groups[0]["params"])

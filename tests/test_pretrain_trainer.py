@@ -10,7 +10,7 @@ from transformers import TrainerCallback
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.callbacks import ThroughputCallback
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.pretrain import L3GPTTrainer, PackedCollator, PretrainConfig
+from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator, PretrainConfig
 
 SEQ_LEN, BATCH = 64, 4
 # Tensor → Python conversions and copies to the host: each one waits for the device to finish all queued work.
@@ -104,7 +104,7 @@ def train(rows, tmp_path, l3_after_layers, optimizer, max_steps=7, logging_steps
                           attend_across_documents=attend_across_documents)
     recorder, trainer_ref = SyncRecorder(), []
     throughput = ThroughputCallback(warmup_steps=1)
-    trainer = L3GPTTrainer(model=model, args=args, train_dataset=dataset,
+    trainer = PretrainTrainer(model=model, args=args, train_dataset=dataset,
                            data_collator=PackedCollator(tokenizer.bos_token_id, attend_across_documents),
                            callbacks=[*reporters, StepMarks(recorder, trainer_ref), throughput])
     trainer_ref.append(trainer)
@@ -158,11 +158,11 @@ def test_the_recorder_sees_the_syncs_transformers_would_make(rows, tmp_path):
                           logging_steps=10, eval_strategy="no", report_to="none", logging_nan_inf_filter=True,
                           disable_tqdm=True)
     recorder, trainer_ref = SyncRecorder(), []
-    trainer = L3GPTTrainer(model=L3GPTForCausalLM(config), args=args, train_dataset=dataset,
+    trainer = PretrainTrainer(model=L3GPTForCausalLM(config), args=args, train_dataset=dataset,
                            data_collator=PackedCollator(tokenizer.bos_token_id),
                            callbacks=[StepMarks(recorder, trainer_ref)])
     trainer_ref.append(trainer)
-    trainer._track_num_input_tokens = lambda inputs: super(L3GPTTrainer, trainer)._track_num_input_tokens(inputs)
+    trainer._track_num_input_tokens = lambda inputs: super(PretrainTrainer, trainer)._track_num_input_tokens(inputs)
     with recorder:
         trainer.train()
     names = recorder.device_syncs(1)

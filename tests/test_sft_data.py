@@ -20,8 +20,8 @@ from hfl3.data.sft import load_sft_data
 from hfl3.data.sft_sources import iter_shard, open_jsonl
 from hfl3.nanochat.convert_nanochat_tokenizer import load_nanochat_encoding, tokenizer_from_encoding
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.guards import exit_on_training_error
-from hfl3.trainers.launch import parse_recipe_args
+from hfl3.trainers.exits import recipe_exits
+from hfl3.trainers.arguments import parse_recipe_args
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -161,8 +161,10 @@ def test_formats_normalize_to_the_same_conversation():
     messages = normalize_record(OUT_OF_LOSS, "a").messages
     assert normalize_record(SHAREGPT, "b").messages == tuple(
         {k: v for k, v in m.items() if k != "training"} for m in messages)
-    completion = normalize_record(PROMPT_COMPLETION, "c").messages
-    assert [m.get("training", True) for m in completion] == [True, False, True, True]
+    completion = normalize_record(PROMPT_COMPLETION, "c")
+    assert completion.context == 3 and completion.messages == tuple(PROMPT_COMPLETION["prompt"] +
+                                                                    PROMPT_COMPLETION["completion"])
+    assert normalize_record(PROMPT_COMPLETION, "c", completion_only_loss=False).context == 0
     arrow_row = {"messages": [{**m, "tool_calls": None, "reasoning_content": None} for m in OUT_OF_LOSS["messages"]],
                  "tools": None, "prompt": None, "completion": None}  # a struct column: every key, null where absent
     assert normalize_record(arrow_row, "d").messages == messages
@@ -261,7 +263,7 @@ def test_fixture_rows_are_those_of_the_previous_path(tokenizers, assets, tmp_pat
     assert data.train_supervised_tokens == data.stats["train_file"].supervised_tokens == 29487
 
 
-BAD_LINES = [b'{"messages": [\n', b'{"text": "pretraining data"}\n',
+BAD_LINES = [b'{"messages": [\n', b'{"messages": null, "text": null}\n',
              json.dumps({"messages": [{"role": "user", "content": "Hi"}]}).encode() + b"\n"]
 
 
@@ -278,7 +280,7 @@ def test_inspect_shows_every_part_and_exits_2_on_an_all_invalid_file(tmp_path, a
         inspect_cli.main(["--tokenizer", tokenizer, "--data", str(invalid)])
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
-    assert captured.out.count("=== ") == 3 and "malformed JSON" in captured.out and "no 'messages' field" in \
+    assert captured.out.count("=== ") == 3 and "malformed JSON" in captured.out and "'messages', 'text' are null" in \
         captured.out and "no assistant message" in captured.out
     assert captured.err.splitlines() == [f"python -m hfl3.data.inspect: error: {invalid}: no valid record in the 3 "
                                          "read (each reason above)"]
@@ -298,11 +300,11 @@ def test_the_recipe_ends_with_one_line_and_exit_2_when_nothing_valid_is_left(tmp
     AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3").save_pretrained(model)
     data = tmp_path / "bad.jsonl"
     data.write_bytes(b"".join(BAD_LINES))
-    script, model_args, args = parse_recipe_args(sft_recipe.make_parser(), [
+    script, model_args, args, setup = parse_recipe_args(sft_recipe.make_parser(), [
         "--model_name_or_path", str(model), "--train_file", str(data), "--output_dir", str(tmp_path / "out"),
         *flags])
-    with pytest.raises(SystemExit) as exit_info, exit_on_training_error("sft_lora.py"):
-        sft_recipe.main(script, args, model_args)
+    with pytest.raises(SystemExit) as exit_info, recipe_exits("sft_lora.py"):
+        sft_recipe.main(script, args, model_args, setup)
     assert exit_info.value.code == 2
     line = capsys.readouterr().err.splitlines()[-1]  # after the progress bars of `datasets`
     assert line.startswith("sft_lora.py: error: " + message.format(data=data))

@@ -1,4 +1,4 @@
-"""recipes/sft_lora.py end to end (accelerate launch in a subprocess), HFL3SFTTrainer's loss and eval metrics, and
+"""recipes/sft_lora.py end to end (accelerate launch in a subprocess), ChatSFTTrainer's loss and eval metrics, and
 adapters that load the standard way (`AutoPeftModelForCausalLM` from any working directory; Hub ids when pushed)."""
 
 import fnmatch
@@ -36,9 +36,10 @@ from hfl3.data.sft import load_sft_data
 from hfl3.models.l3gpt.linear_cross_entropy import CHUNK_BYTES
 from hfl3.provenance import sha256_file, sha256_records
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.launch import parse_recipe_args
+from hfl3.trainers.arguments import parse_recipe_args
+from hfl3.trainers.sft_builder import build_sft_trainer
 from hfl3.trainers.outputs import base_model_hub_id, local_base_model
-from hfl3.trainers.sft import HFL3SFTTrainer, SFTLoRAConfig
+from hfl3.trainers.sft import ChatSFTTrainer, ChatSFTConfig
 
 WORDS = "the king and queen of love shall die good night sweet prince my lord what is this".split()
 
@@ -242,9 +243,9 @@ def lora(r: int = 4, alpha: int = 8) -> LoraConfig:
 def make_trainer(tmp_path, tokenizer, build, packing=False):
     data_file = write_chat_jsonl(chats("good", 6, seed=0) + chats("night", 6, seed=2), tmp_path / "d.jsonl")
     data = load_sft_data(tokenizer, data_file, val_split=0.5, seed=0, max_length=64)
-    args = SFTLoRAConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, per_device_eval_batch_size=2,
+    args = ChatSFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, per_device_eval_batch_size=2,
                          max_length=64, packing=packing, report_to="none", disable_tqdm=True, seed=0)
-    return HFL3SFTTrainer(model=build(tokenizer), args=args, train_dataset=data.train, eval_dataset=data.eval,
+    return ChatSFTTrainer(model=build(tokenizer), args=args, train_dataset=data.train, eval_dataset=data.eval,
                           processing_class=tokenizer, peft_config=lora()), data
 
 
@@ -308,10 +309,10 @@ def test_training_metrics_survive_a_last_partial_batch(tmp_path, tokenizers, pac
     tokenizer = tokenizers["l3gpt"]
     data_file = write_chat_jsonl(chats("good", 5, seed=0) + chats("night", 5, seed=2), tmp_path / "d.jsonl")
     data = load_sft_data(tokenizer, data_file, val_split=0.3, seed=0, max_length=64)
-    args = SFTLoRAConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, num_train_epochs=1,
+    args = ChatSFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, num_train_epochs=1,
                          eval_strategy="no", load_best_model_at_end=False, save_strategy="no", max_length=64,
                          packing=packing, logging_steps=1, report_to="none", disable_tqdm=True, seed=0)
-    trainer = HFL3SFTTrainer(model=tiny_l3gpt(tokenizer), args=args, train_dataset=data.train,
+    trainer = ChatSFTTrainer(model=tiny_l3gpt(tokenizer), args=args, train_dataset=data.train,
                              processing_class=tokenizer, peft_config=lora(alpha=16))
     rows = trainer.train_dataset
     assert len(rows) % 3 == 1
@@ -326,11 +327,11 @@ def test_training_metrics_survive_a_last_partial_batch(tmp_path, tokenizers, pac
 def test_max_length_beyond_the_trained_positions_is_warned(tmp_path, l3gpt_folder, caplog, sft_recipe, max_length,
                                                             warned):
     data_file = write_chat_jsonl(chats("good", 8, seed=0), tmp_path / "d.jsonl")
-    args = SFTLoRAConfig(output_dir=str(tmp_path / "out"), max_length=max_length, report_to="none")
-    with caplog.at_level("WARNING", logger="hfl3.recipes.sft_lora"):
-        trainer, _, _ = sft_recipe.build_trainer(
+    args = ChatSFTConfig(output_dir=str(tmp_path / "out"), max_length=max_length, report_to="none")
+    with caplog.at_level("WARNING", logger="hfl3.trainers.sft_builder"):
+        trainer = build_sft_trainer(
             sft_recipe.SFTScriptArguments(train_file=str(data_file), val_split=0.25), args,
-            sft_recipe.SFTModelArguments(model_name_or_path=str(l3gpt_folder), lora_r=4))
+            sft_recipe.SFTModelArguments(model_name_or_path=str(l3gpt_folder), lora_r=4)).trainer
     assert trainer.model.config.max_position_embeddings == 128
     assert ("exceeds the base model's max_position_embeddings 128" in caplog.text) == warned
 
@@ -346,14 +347,14 @@ def test_finished_rows_skip_trls_preparation_unless_packed(tmp_path, tokenizers,
 
 def test_datasets_without_labels_are_refused(tmp_path, tokenizers):
     rows = Dataset.from_dict({"input_ids": [[1, 2, 3]]})
-    args = SFTLoRAConfig(output_dir=str(tmp_path), eval_strategy="no", load_best_model_at_end=False)
+    args = ChatSFTConfig(output_dir=str(tmp_path), eval_strategy="no", load_best_model_at_end=False)
     with pytest.raises(ValueError, match="train_dataset has input_ids but no labels"):
-        HFL3SFTTrainer(model=tiny_l3gpt(tokenizers["l3gpt"]), args=args, train_dataset=rows,
+        ChatSFTTrainer(model=tiny_l3gpt(tokenizers["l3gpt"]), args=args, train_dataset=rows,
                        processing_class=tokenizers["l3gpt"])
 
 
 def test_cpu_defaults_differ_from_trl_where_documented(tmp_path, sft_recipe):
-    args = SFTLoRAConfig(output_dir=str(tmp_path))
+    args = ChatSFTConfig(output_dir=str(tmp_path))
     assert (args.bf16, args.activation_checkpointing, args.gradient_checkpointing) == (False, False, False)
     assert args.load_best_model_at_end and args.metric_for_best_model == "eval_loss" and args.learning_rate == 2e-4
     model_args = sft_recipe.SFTModelArguments
@@ -364,9 +365,9 @@ def test_cpu_defaults_differ_from_trl_where_documented(tmp_path, sft_recipe):
 
 def run_recipe(recipe, caplog, *arguments: str) -> tuple[dict, object]:
     """`recipes/sft_lora.py ARGUMENTS` in this process (as its `__main__` does); returns the results and the args."""
-    with caplog.at_level("INFO", logger="hfl3"):  # the arguments are checked while parsed (hfl3.trainers.inputs)
-        script, model, args = parse_recipe_args(recipe.make_parser(), [*arguments, "--disable_tqdm", "true"])
-        return recipe.main(script, args, model), args
+    with caplog.at_level("INFO", logger="hfl3"):  # the arguments are checked while parsed (hfl3.trainers.arguments)
+        script, model, args, setup = parse_recipe_args(recipe.make_parser(), [*arguments, "--disable_tqdm", "true"])
+        return recipe.main(script, args, model, setup), args
 
 
 def test_the_plainest_command_trains_without_evaluation(tmp_path, l3gpt_folder, sft_recipe, caplog):
@@ -441,9 +442,9 @@ def adapters(tmp_path_factory, l3gpt_folder, qwen3_folder, hub_cache, sft_recipe
         patch.chdir(work)
         patch.setattr(hub_constants, "HF_HUB_CACHE", str(hub_cache))
         for name, base in [("l3gpt", str(l3gpt_folder)), ("qwen3", str(qwen3_folder)), ("l3gpt_hub", HUB_BASE)]:
-            script, model, args = parse_recipe_args(sft_recipe.make_parser(), [
+            script, model, args, setup = parse_recipe_args(sft_recipe.make_parser(), [
                 "--model_name_or_path", base, "--train_file", "train.jsonl", "--output_dir", f"adapters/{name}", *TINY])
-            sft_recipe.main(script, args, model)
+            sft_recipe.main(script, args, model, setup)
             ids = AutoTokenizer.from_pretrained(base)("what is this?", return_tensors="pt")["input_ids"]
             trained[name] = (base, work / "adapters" / name, ids)
     return work, trained
@@ -554,12 +555,12 @@ def test_what_is_pushed_names_the_base_by_its_hub_id_and_holds_no_local_path(tmp
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     output_dir = tmp_path / "out"
     train = write_chat_jsonl(chats("good", 8, seed=0), tmp_path / "train.jsonl")
-    script, model, args = parse_recipe_args(sft_recipe.make_parser(), [
+    script, model, args, setup = parse_recipe_args(sft_recipe.make_parser(), [
         "--model_name_or_path", str(l3gpt_folder), "--train_file", str(train), "--val_split", "0.25",
         "--output_dir", str(output_dir), "--push_to_hub", "--hub_model_id", "me/tiny-adapter",
         "--base_model_hub_id", "me/tiny-l3gpt", *TINY])
     assert looked_up == ["me/tiny-l3gpt"]  # checked while parsing, before training
-    results = sft_recipe.main(script, args, model)
+    results = sft_recipe.main(script, args, model, setup)
     assert results["best_model_checkpoint"]  # a local path, which the pushed results must not hold
     [(repo_id, files)] = uploads
     assert repo_id == "me/tiny-adapter" and not (output_dir / "_hfl3_staging").exists()

@@ -9,8 +9,8 @@ import pytest
 from transformers import Trainer
 from trl import SFTTrainer
 
-from hfl3.trainers.pretrain import L3GPTTrainer
-from hfl3.trainers.sft import HFL3SFTTrainer
+from hfl3.trainers.pretrain import PretrainTrainer
+from hfl3.trainers.sft import ChatSFTTrainer
 
 EMPTY = inspect.Parameter.empty
 PRIVATE_HOOKS = [
@@ -23,7 +23,7 @@ PRIVATE_HOOKS = [
      "the NaN/inf guard (NonFiniteGuard): the pre-clipping gradient norm of every optimizer step, checked on the "
      "device; no public hook receives it (callbacks see it only in the logs, as a host float)"),
     ("_track_num_input_tokens", [("self", EMPTY), ("inputs", EMPTY)],
-     "sync-free pretraining steps (L3GPTTrainer): input tokens counted on the host and summed across processes only "
+     "sync-free pretraining steps (PretrainTrainer): input tokens counted on the host and summed across processes only "
      "at logs; the Trainer's own count calls .item() after every micro-batch and no public hook replaces it"),
 ]
 
@@ -36,7 +36,7 @@ def test_each_private_hook_keeps_its_signature(name, parameters, feature):
     assert found == parameters, f"Trainer.{name}{inspect.signature(method)} changed; check: {feature}"
 
 
-@pytest.mark.parametrize("trainer_class, base", [(L3GPTTrainer, Trainer), (HFL3SFTTrainer, SFTTrainer)])
+@pytest.mark.parametrize("trainer_class, base", [(PretrainTrainer, Trainer), (ChatSFTTrainer, SFTTrainer)])
 def test_no_other_private_trainer_method_is_overridden(trainer_class, base):
     hfl3_classes = [cls for cls in trainer_class.__mro__ if cls.__module__.startswith("hfl3.")]
     overridden = {name for cls in hfl3_classes for name in vars(cls)
@@ -44,4 +44,4 @@ def test_no_other_private_trainer_method_is_overridden(trainer_class, base):
     assert overridden <= {hook[0] for hook in PRIVATE_HOOKS}, overridden
     # and the pinned ones are really in use (a stale entry above would pin nothing)
     assert {"_save_checkpoint", "_get_grad_norm"} <= overridden
-    assert ("_track_num_input_tokens" in overridden) == (trainer_class is L3GPTTrainer)
+    assert ("_track_num_input_tokens" in overridden) == (trainer_class is PretrainTrainer)

@@ -125,8 +125,8 @@ class ThroughputCallback(TrainerCallback):
     names). transformers adds another when it counts input tokens: `train_tokens_per_second`, the tokens of this
     session over the wall time since `train()` began (`Trainer.log`, `speed_metrics`), which also counts start-up,
     warm-up and compilation, the step-0 and later evaluations and the checkpoint saves. It lags the training speed
-    (7,754 beside 9,502 tok/s in a demo log line) and is no basis for MFU, so `L3GPTTrainer.log` leaves it out.
-    `L3GPTTrainer` runs this callback first: the Trainer puts its reporting integrations before the callbacks passed
+    (7,754 beside 9,502 tok/s in a demo log line) and is no basis for MFU, so `PretrainTrainer.log` leaves it out.
+    `PretrainTrainer` runs this callback first: the Trainer puts its reporting integrations before the callbacks passed
     to it, and they would report the logs without these keys. With another Trainer, insert it first
     (`trainer.callback_handler.callbacks.insert(0, callback)`).
     """

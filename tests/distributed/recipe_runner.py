@@ -45,10 +45,10 @@ def load_recipe(name: str):
 
 @contextlib.contextmanager
 def recording_rows(path: Path):
-    """While active, `L3GPTTrainer.get_batch_samples` appends the hashes of each step's rows to `path`."""
-    from hfl3.trainers.pretrain import L3GPTTrainer
+    """While active, `PretrainTrainer.get_batch_samples` appends the hashes of each step's rows to `path`."""
+    from hfl3.trainers.pretrain import PretrainTrainer
 
-    original = L3GPTTrainer.get_batch_samples
+    original = PretrainTrainer.get_batch_samples
 
     def recording(self, *args):
         batches, num_items_in_batch = original(self, *args)
@@ -57,11 +57,11 @@ def recording_rows(path: Path):
             f.write(json.dumps(rows) + "\n")
         return batches, num_items_in_batch
 
-    L3GPTTrainer.get_batch_samples = recording
+    PretrainTrainer.get_batch_samples = recording
     try:
         yield
     finally:
-        L3GPTTrainer.get_batch_samples = original
+        PretrainTrainer.get_batch_samples = original
 
 
 @contextlib.contextmanager
@@ -105,7 +105,7 @@ def recording_gradients(path: Path):
 
 def run(plan_path: str) -> None:
     from hfl3.evaluate.__main__ import main as evaluate
-    from hfl3.trainers.guards import exit_on_training_error
+    from hfl3.trainers.exits import recipe_exits
 
     plan = json.loads(Path(plan_path).read_text())
     results_dir = Path(plan["results_dir"])
@@ -118,19 +118,20 @@ def run(plan_path: str) -> None:
                 record["metrics"] = evaluate(["core", *entry["args"]])
             else:
                 recipe = load_recipe(entry["recipe"])
-                script_args, model_args, training_args = recipe.make_parser().parse_args_and_config(entry["args"])
+                script_args, model_args, training_args, setup = recipe.make_parser().parse_args_and_config(
+                    entry["args"])
                 record["world_size"] = training_args.world_size
                 record["torch_world_size"] = dist.get_world_size() if dist.is_initialized() else 1
                 rows = results_dir / f"{entry['name']}.rank{rank}.rows.jsonl"
                 gradients = results_dir / f"{entry['name']}.gradients.pt"
                 with contextlib.ExitStack() as recording:
                     if entry.get("as_script"):
-                        recording.enter_context(exit_on_training_error())
+                        recording.enter_context(recipe_exits())
                     if entry.get("record_rows"):
                         recording.enter_context(recording_rows(rows))
                     if entry.get("record_gradients"):
                         recording.enter_context(recording_gradients(gradients))
-                    record["metrics"] = recipe.main(script_args, training_args, model_args)
+                    record["metrics"] = recipe.main(script_args, training_args, model_args, setup)
         except Exception as error:  # recorded for the test, which asserts on the message
             record["error"] = f"{type(error).__name__}: {error}"
             traceback.print_exc()

@@ -1,18 +1,22 @@
 """Chat records in every format hfl3 trains on, each validated and normalized on its own (`normalize_record`), with the
 reason and place (`file:line`, or a dataset's row) of every bad record (`InvalidChatRecord`) and counts of what was
-read, skipped and kept (`ChatDataStats`); JSONL files read line by line (`iter_jsonl`, `read_chat_jsonl`) and written
-(`write_chat_jsonl`).
+read, skipped and kept (`ChatDataStats`); JSONL files (plain or gzip-compressed) read line by line (`iter_jsonl`,
+`read_chat_jsonl`) and written (`write_chat_jsonl`); a conversation cut into one sample per reasoning turn
+(`split_reasoning_turns`).
 
 Formats, one record each, with TRL's field names:
 - conversational: `{"messages": [...]}`; ShareGPT's `{"conversations": [{"from": ..., "value": ...}]}` is mapped to
   it with axolotl's default role names (`human` → `user`, `gpt` → `assistant`) and counted
   (`ChatDataStats.sharegpt`);
-- prompt–completion with message lists, `{"prompt": [...], "completion": [...]}`: one conversation whose loss is on
-  the completion only (the prompt's assistant messages get `training: false`);
+- prompt–completion with message lists, `{"prompt": [...], "completion": [...]}`: one conversation whose prompt is
+  context only (`ChatRecord.context`), unless `completion_only_loss=False` (TRL's flag: then it is one conversation);
 - prompt–completion with strings, `{"prompt": "...", "completion": "..."}`: plain text as TRL tokenizes it, without a
-  chat template, the tokenizer's EOS token appended (`TextRecord`);
-- any of them with `tools`: a list of JSON-schema tool definitions, or a JSON string of one (as Hub datasets store
-  it: Arrow holds one type per column), passed to the chat template.
+  chat template, the tokenizer's EOS token appended (`TextRecord`), the loss on the completion (on the whole text
+  with `completion_only_loss=False`);
+- language modeling, `{"text": "..."}` (TRL's `dataset_text_field` names the key): plain text, EOS appended unless it
+  ends with it, the loss on every token (`TextRecord` with no prompt);
+- any chat format with `tools`: a list of JSON-schema tool definitions, or a JSON string of one (as Hub datasets
+  store it: Arrow holds one type per column), passed to the chat template.
 
 Messages: `role` is `system`, `developer`, `user`, `assistant` or `tool`; `content` a string. An assistant message may
 carry `tool_calls` (OpenAI's shape: `[{"type": "function", "id": ..., "function": {"name": ..., "arguments": ...}}]`,
@@ -23,12 +27,14 @@ A key whose value is null counts as absent (Arrow gives every row of a struct co
 with a user message (after optional system/developer messages) and ends with an assistant message.
 
 Other top-level keys (`id`, `source`, ...) are ignored. A UTF-8 byte order mark at the start of a line is dropped (files
-concatenated from BOM-prefixed ones have one on several lines).
+concatenated from BOM-prefixed ones have one on several lines). A key given twice in one JSON object makes the line
+invalid (`json` would keep the last value silently).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -45,6 +51,7 @@ SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
 TOOL_CALL_KEYS = ("type", "id", "function")
 MAX_LOGGED_ERRORS = 10
 BOM = b"\xef\xbb\xbf"
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 class InvalidChatRecord(ValueError):
@@ -76,14 +83,17 @@ class ChatDataStats:
         duplicates: records dropped because they equal an earlier kept record (in the same source, or, for
             evaluation data, in the training data).
         dropped_after_truncation: records whose supervised tokens all fell beyond `max_length`.
-        kept: records that became training rows;
-            `read = malformed + no_assistant + duplicates + dropped_after_truncation + kept`.
+        kept: rows kept for training, one per record (or per sample, with `split_reasoning_turns`);
+            `read + reasoning_samples - reasoning_expanded = malformed + no_assistant + duplicates +
+            dropped_after_truncation + kept` (duplicates and truncation count samples).
         truncated: kept rows that were cut to `max_length`.
         tokens: tokens in the kept rows (after truncation).
         supervised_tokens: tokens with a label in the kept rows (`labels != -100`, position 0 aside).
         sharegpt: kept records mapped from ShareGPT's `conversations` / `from` / `value`.
-        reasoning_not_rendered: assistant messages of kept records whose `reasoning_content` the chat template did
-            not render (its history rules, or no support): not trained on.
+        reasoning_not_rendered: trained assistant messages of kept rows whose `reasoning_content` the chat template
+            did not render (its history rules, or no support): not trained on.
+        reasoning_expanded: valid records cut into several samples, one per reasoning turn (`split_reasoning_turns`).
+        reasoning_samples: the samples those records gave.
         first_errors: the first `MAX_LOGGED_ERRORS` skip reasons, as `where: reason`.
     """
 
@@ -98,6 +108,8 @@ class ChatDataStats:
     supervised_tokens: int = 0
     sharegpt: int = 0
     reasoning_not_rendered: int = 0
+    reasoning_expanded: int = 0
+    reasoning_samples: int = 0
     first_errors: list[str] = field(default_factory=list)
 
     def count_skip(self, error: InvalidChatRecord) -> None:
@@ -114,40 +126,60 @@ class ChatDataStats:
 class ChatRecord:
     """A validated conversation: `messages` (dicts with the keys of `MESSAGE_KEYS` that are set; `training` only where
     false), `tools` (JSON-schema dicts, or None), `where` (`file:line` or a dataset's row), `sharegpt` (mapped from
-    ShareGPT)."""
+    ShareGPT), `context` (the first `context` messages are context only, never trained: a prompt–completion record's
+    prompt, or the earlier turns of a `split_reasoning_turns` sample)."""
 
     where: str
     messages: tuple[dict, ...]
     tools: tuple[dict, ...] | None = None
     sharegpt: bool = False
+    context: int = 0
 
     def canonical(self) -> list | dict:
-        """What provenance hashes and duplicates compare: the messages, with the tools when there are some."""
-        return {"messages": list(self.messages), "tools": list(self.tools)} if self.tools else list(self.messages)
+        """What provenance hashes and duplicates compare: the messages, with the context messages apart and the tools
+        when there are some (a plain conversation without tools is its list of messages)."""
+        if not self.context and not self.tools:
+            return list(self.messages)
+        canonical = {"messages": list(self.messages[self.context :])}
+        if self.context:
+            canonical["context"] = list(self.messages[: self.context])
+        if self.tools:
+            canonical["tools"] = list(self.tools)
+        return canonical
 
 
 @dataclass(frozen=True)
 class TextRecord:
-    """A plain-text prompt–completion record (no chat template): the loss is on `completion` and the EOS token."""
+    """A plain-text record (no chat template): prompt–completion, the loss on `completion` and the EOS token; or
+    language modeling (`prompt` None: `completion` is the whole text), the loss on every token."""
 
     where: str
-    prompt: str
+    prompt: str | None
     completion: str
 
     def canonical(self) -> dict:
+        if self.prompt is None:
+            return {"text": self.completion}
         return {"prompt": self.prompt, "completion": self.completion}
 
 
-def normalize_record(obj: object, where: str) -> ChatRecord | TextRecord:
+def normalize_record(obj: object, where: str, *, completion_only_loss: bool | None = None,
+                     dataset_text_field: str = "text") -> ChatRecord | TextRecord:
     """Validate one decoded record in any supported format (module docstring) and normalize it.
+
+    Args:
+        completion_only_loss: TRL's flag for prompt–completion records: None or True keeps the prompt out of the loss
+            (`ChatRecord.context`, or the `TextRecord` prompt); False trains them as one conversation (a plain text).
+        dataset_text_field: the key of a language-modeling record's text (TRL's `dataset_text_field`).
 
     Raises:
         InvalidChatRecord: naming `where`, the message and the fix, for a record that is not an object or has none of
-            the formats' fields; a message that is not an object, has unsupported keys, an unknown role, non-string
-            or blank content, misplaced or malformed `tool_calls` / `reasoning_content` / `tool_call_id` / `name` /
-            `training`; `tools` that are not a list of objects (or its JSON); `kind="no_assistant"` when no assistant
-            message is trained on; a conversation that does not open with the user (after system/developer
-            messages) or does not end with an assistant message, or a tool message that answers no tool call.
+            the formats' fields (or has them null); a message that is not an object, has unsupported keys, an unknown
+            role, non-string or blank content, misplaced or malformed `tool_calls` / `reasoning_content` /
+            `tool_call_id` / `name` / `training`; `tools` that are not a list of objects (or its JSON);
+            `kind="no_assistant"` when no assistant message is trained on; a conversation that does not open with the
+            user (after system/developer messages) or does not end with an assistant message, or a tool message that
+            answers no tool call; a text that is not a string or is blank.
     """
     if not isinstance(obj, dict):
         raise InvalidChatRecord(where, f"expected a JSON object with a 'messages' list, got {type(obj).__name__}")
@@ -164,17 +196,31 @@ def normalize_record(obj: object, where: str) -> ChatRecord | TextRecord:
             for name, text in (("prompt", prompt), ("completion", completion)):
                 if not text.strip():
                     raise InvalidChatRecord(where, f"'{name}' is empty")
-            return TextRecord(where, prompt, completion)
+            return TextRecord(where, None, prompt + completion) if completion_only_loss is False else \
+                TextRecord(where, prompt, completion)
         for name, value in (("prompt", prompt), ("completion", completion)):
             if not isinstance(value, list) or not value:
                 raise InvalidChatRecord(where, f"'{name}' is a {type(value).__name__}; expected prompt and completion "
                                                "both strings, or both non-empty lists of messages")
-        prompt = [{**m, "training": False} if isinstance(m, dict) and m.get("role") == "assistant" else m
-                  for m in prompt]
-        return ChatRecord(where, _conversation(prompt + completion, where, completion_from=len(prompt)), tools)
-    raise InvalidChatRecord(
-        where, f"no 'messages' field (keys: {sorted(obj)}); expected {{\"messages\": [...]}}, ShareGPT's "
-               "{\"conversations\": [...]}, or {\"prompt\": ..., \"completion\": ...}")
+        messages = _conversation(prompt + completion, where, completion_from=len(prompt))
+        return ChatRecord(where, messages, tools, context=0 if completion_only_loss is False else len(prompt))
+    text = obj.get(dataset_text_field)
+    if text is not None:
+        if not isinstance(text, str):
+            raise InvalidChatRecord(where, f"'{dataset_text_field}' is a {type(text).__name__}; expected a string")
+        if tools:
+            raise InvalidChatRecord(where, f"'tools' need a conversation; plain '{dataset_text_field}' has none")
+        if not text.strip():
+            raise InvalidChatRecord(where, f"'{dataset_text_field}' is empty")
+        return TextRecord(where, None, text)
+    expected = ("expected {\"messages\": [...]}, ShareGPT's {\"conversations\": [...]}, {\"prompt\": ..., "
+                f"\"completion\": ...}}, or {{\"{dataset_text_field}\": \"...\"}} (dataset_text_field)")
+    nulls = [key for key in ("messages", "conversations", "prompt", "completion", dataset_text_field)
+             if key in obj and obj[key] is None]
+    if nulls:
+        raise InvalidChatRecord(where, f"{', '.join(repr(key) for key in nulls)} {'is' if len(nulls) == 1 else 'are'} "
+                                       f"null; {expected}")
+    raise InvalidChatRecord(where, f"no 'messages' field (keys: {sorted(obj)}); {expected}")
 
 
 def _tools(tools, where: str) -> tuple[dict, ...] | None:
@@ -212,7 +258,7 @@ def _conversation(messages, where: str, completion_from: int = 0) -> tuple[dict,
         raise InvalidChatRecord(where, "'messages' must be a non-empty list of {\"role\", \"content\"} objects")
     clean = [_message(message, index, where) for index, message in enumerate(messages)]
     roles = [m["role"] for m in clean]
-    if not any(role == "assistant" and m.get("training", True) for role, m in zip(roles, clean)):
+    if not any(m["role"] == "assistant" and m.get("training", True) for m in clean[completion_from:]):
         reason = "no assistant message; nothing to train on" if "assistant" not in roles[completion_from:] else \
             "every assistant message has training: false; nothing to train on"
         raise InvalidChatRecord(where, reason, kind="no_assistant")
@@ -303,13 +349,63 @@ def _tool_calls(calls, index: int, where: str) -> list[dict]:
     return clean
 
 
+def split_reasoning_turns(record: ChatRecord) -> tuple[ChatRecord, ...]:
+    """One sample per assistant turn that carries reasoning, each ending at that turn, so that a template which renders
+    reasoning on the last turn only (Qwen3's history rule) renders and trains every turn's reasoning.
+
+    The trained assistant turns (after `record.context`, not `training: false`) are cut after each one with a
+    non-blank `reasoning_content` and after the last one; each sample is `messages` up to a cut, its turns before the
+    previous cut context only (`ChatRecord.context`), so every trained turn is trained once, in the first sample that
+    ends at or after it. A record with no reasoning turn before its last trained turn is returned alone, unchanged.
+    Samples share the record's `where`; their `canonical()` differ, so a sample equal to another record (a shorter
+    conversation with the same start) counts as a duplicate.
+    """
+    trained = [index for index, message in enumerate(record.messages) if index >= record.context and
+               message["role"] == "assistant" and message.get("training", True)]
+    cuts = [index for index in trained if record.messages[index].get("reasoning_content", "").strip()]
+    if not cuts or cuts[-1] != trained[-1]:
+        cuts.append(trained[-1])
+    if len(cuts) == 1:
+        return (record,)
+    samples, context = [], record.context
+    for cut in cuts:
+        samples.append(dataclasses.replace(record, messages=record.messages[: cut + 1], context=context))
+        context = cut + 1
+    return tuple(samples)
+
+
+class _DuplicateKey(ValueError):
+    """A key given twice in one JSON object (`object_pairs_hook` of `json.loads`)."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        raise _DuplicateKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
+    return obj
+
+
+def open_jsonl_bytes(path: str | os.PathLike):
+    """A JSONL file opened for reading its bytes: gzip-compressed ones (by their magic bytes, as `datasets` reads
+    `.jsonl.gz`) decompressed while read (`seek` works forward, decompressing)."""
+    f = open(path, "rb")
+    if f.read(len(GZIP_MAGIC)) == GZIP_MAGIC:
+        f.close()
+        return gzip.open(path, "rb")
+    f.seek(0)
+    return f
+
+
 def iter_jsonl(path: str | os.PathLike, start: int = 0, stop: int | None = None, first_line: int = 1,
                name: str | None = None) -> Iterator[tuple[str, object]]:
-    """`(where, decoded object or InvalidChatRecord)` for each non-blank line of a JSONL file, read in order from byte
-    `start` (a line start, numbered `first_line`) up to the line that starts at or after byte `stop`. Blank lines
-    are skipped; a UTF-8 BOM starting a line is dropped. `where` is `NAME:LINE` (`name` defaults to the path)."""
+    """`(where, decoded object or InvalidChatRecord)` for each non-blank line of a JSONL file (gzip-compressed or not:
+    `open_jsonl_bytes`, offsets then count decompressed bytes), read in order from byte `start` (a line start,
+    numbered `first_line`) up to the line that starts at or after byte `stop`. Blank lines are skipped; a UTF-8 BOM
+    starting a line is dropped; a key given twice in one object makes the line invalid. `where` is `NAME:LINE` (`name`
+    defaults to the path)."""
     name = str(path) if name is None else name
-    with open(path, "rb") as f:
+    with open_jsonl_bytes(path) as f:
         f.seek(start)
         position, line_number = start, first_line
         for raw in f:
@@ -328,9 +424,12 @@ def iter_jsonl(path: str | os.PathLike, start: int = 0, stop: int | None = None,
                     where, f"not valid UTF-8 ({error.reason} at byte {error.start}); re-encode the file as UTF-8")
                 continue
             try:
-                yield where, json.loads(line)
+                yield where, json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as error:
                 yield where, InvalidChatRecord(where, f"malformed JSON ({error.msg} at column {error.colno})")
+            except _DuplicateKey as error:
+                yield where, InvalidChatRecord(where, f"the key {error.args[0]!r} appears twice in one object (JSON "
+                                                      "keeps only the last value): keep one")
 
 
 def read_chat_jsonl(

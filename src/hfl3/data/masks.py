@@ -18,15 +18,25 @@ Masks come from the template without `{% generation %}` markers (`AssistantMaske
 4. Tokenize `text` with offsets (no special tokens added: templates write their own BOS); a token is supervised when
    its characters overlap a reply span.
 
+Options, each TRL's meaning where TRL has the flag: `assistant_only_loss=False` trains the whole rendered text (system,
+user and tool text included, as TRL does), but what is context only (a prompt–completion record's prompt, an earlier
+turn of a `split_reasoning_turns` sample: the text up to the start of the first trained reply, or the end of the last
+context reply) and replies marked `training: false`; `ignore_empty_reasoning` leaves out of the loss the empty
+reasoning block that a template inserts before a reply without reasoning (Qwen3's `<think>\n\n</think>\n\n`,
+found by probing the template once); `eos_token` replaces the tokenizer's EOS token (TRL's `eos_token`: appended to
+plain text, and the template's `eos_token` variable).
+
 What a template cannot render is refused rather than trained without: probe conversations show whether it renders
 `developer` and `tool` messages, assistant `tool_calls` and `tools` (Gemma 3's stock template has none of them).
-Plain-text prompt–completion records (`TextRecord`) bypass the template: `prompt + completion + EOS` tokenized with
-the tokenizer's special tokens, the completion and EOS supervised, as TRL does for them.
+Plain-text records (`TextRecord`) bypass the template, as TRL tokenizes them: `prompt + completion + EOS` with the
+tokenizer's special tokens, the completion and EOS supervised; a language-modeling text (no prompt) gets EOS unless
+it ends with it and is supervised whole, special-token text included (no mask depends on it).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +45,8 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from hfl3.data.chat import ChatRecord, InvalidChatRecord, TextRecord
 from hfl3.provenance import sha256_records
+
+logger = logging.getLogger(__name__)
 
 MARK = "hfl3-probe-8d1c"
 _BACKENDS: dict[str, Tokenizer] = {}
@@ -49,7 +61,8 @@ class EncodedChat:
     supervised, -100 elsewhere), `spans` (supervised character ranges, one per trained assistant message),
     `reasoning_not_rendered` (assistant messages whose `reasoning_content` is not in `text`) and `offsets` ((start,
     end) character span of each token in `text`, built on first use: the rows need none). The token lists have length
-    `len(input_ids)`."""
+    `len(input_ids)`. With holes in a reply (`training: false` inside a whole-text loss, an ignored empty reasoning
+    block) a reply gives several spans."""
 
     text: str
     input_ids: list[int]
@@ -85,20 +98,28 @@ class AssistantMasker:
     Args:
         tokenizer: a fast tokenizer (offsets needed) with a chat template.
         chat_template: template text to use instead of `tokenizer.chat_template`.
+        assistant_only_loss: False trains the whole text but context and `training: false` replies (module
+            docstring).
+        eos_token: instead of the tokenizer's EOS token (TRL's `eos_token`); must be in its vocabulary.
+        ignore_empty_reasoning: leave the empty reasoning block the template inserts out of the loss.
 
     Attributes:
         end_of_turn: the text the template writes after a reply (`<|im_end|>`).
+        empty_reasoning: what the template writes before a reply without reasoning where it writes reasoning
+            (Qwen3: `<think>\n\n</think>\n\n`), or "".
         renders: what the template renders, by probe: `developer`, `tool` (messages of that role), `tool_calls`,
             `tools`.
 
     Raises:
-        ValueError: if the tokenizer has no template or no offsets, or the template renders a probe conversation
-            without an end-of-turn text after the reply or not prefix-preserving.
+        ValueError: if the tokenizer has no template or no offsets, `eos_token` is not in its vocabulary, or the
+            template renders a probe conversation without an end-of-turn text after the reply or not
+            prefix-preserving.
     """
 
     PROBE = ({"role": "user", "content": "Ping?"}, {"role": "assistant", "content": "Pong."})
 
-    def __init__(self, tokenizer, chat_template: str | None = None):
+    def __init__(self, tokenizer, chat_template: str | None = None, *, assistant_only_loss: bool = True,
+                 eos_token: str | None = None, ignore_empty_reasoning: bool = False):
         if chat_template is None and not tokenizer.chat_template:
             raise ValueError(
                 f"{type(tokenizer).__name__} has no chat template; pass chat_template= or use a chat model"
@@ -110,7 +131,13 @@ class AssistantMasker:
         self.tool_template = tokenizer.get_chat_template(chat_template, tools=[])
         self.variables = dict(tokenizer.special_tokens_map)
         self.backend = tokenizer.backend_tokenizer
-        self.eos_token = tokenizer.eos_token
+        if eos_token is not None and eos_token not in tokenizer.get_vocab():
+            raise ValueError(f"eos_token {eos_token!r} is not in the tokenizer's vocabulary; give one of its tokens "
+                             f"(its own EOS token is {tokenizer.eos_token!r})")
+        self.eos_token = eos_token or tokenizer.eos_token
+        if eos_token is not None:
+            self.variables["eos_token"] = eos_token
+        self.assistant_only_loss, self.ignore_empty_reasoning = assistant_only_loss, ignore_empty_reasoning
         full, prompt = self.render(self.PROBE), self.render(self.PROBE[:1], add_generation_prompt=True)
         tail = full[len(prompt) :] if full.startswith(prompt) else None
         reply = self.PROBE[1]["content"]
@@ -123,8 +150,24 @@ class AssistantMasker:
                 "token the model cannot learn to stop"
             )
         added = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
-        self.special_texts = sorted({*added, *tokenizer.all_special_tokens, self.end_of_turn})
+        self.special_texts = sorted({*added, *tokenizer.all_special_tokens, self.end_of_turn, self.eos_token} - {None})
         self.renders = self._probe()
+        self.empty_reasoning = self._probe_empty_reasoning(prompt)
+        if ignore_empty_reasoning and not self.empty_reasoning:
+            logger.warning("ignore_empty_reasoning: the chat template writes no empty reasoning block before a reply "
+                           "without reasoning; nothing to leave out")
+
+    def _probe_empty_reasoning(self, prompt: str) -> str:
+        """What the template writes between the role header and a reply without reasoning, when it writes a reply's
+        reasoning there (probed with a marked `reasoning_content`); "" otherwise."""
+        user, reply = self.PROBE
+        try:
+            marked = self.render([user, {**reply, "reasoning_content": MARK}])[len(prompt) :]
+        except Exception:  # noqa: BLE001 (a template refusing reasoning_content renders none)
+            return ""
+        plain = self.render(self.PROBE)[len(prompt) :]
+        before = plain[: plain.find(reply["content"])]
+        return before if before.strip() and MARK in marked[: marked.find(reply["content"])] else ""
 
     def _probe(self) -> dict[str, bool]:
         user, reply = self.PROBE
@@ -155,9 +198,14 @@ class AssistantMasker:
         their variables, the special texts. Leaves the backend in `_BACKENDS` for the worker processes forked later."""
         if "_fingerprint" not in self.__dict__:
             self._fingerprint = sha256_records([self.backend_json, self.template, self.tool_template, self.variables,
-                                                self.special_texts, self.eos_token])
+                                                self.special_texts, self.eos_token, self.options()])
             _BACKENDS[self._fingerprint] = self.backend
         return self._fingerprint
+
+    def options(self) -> dict:
+        """The options that shape the labels (for fingerprints and provenance)."""
+        return {"assistant_only_loss": self.assistant_only_loss, "eos_token": self.eos_token,
+                "ignore_empty_reasoning": self.ignore_empty_reasoning}
 
     def __getstate__(self) -> dict:
         return {**{k: v for k, v in self.__dict__.items() if k != "backend"}, "backend_json": self.backend_json,
@@ -183,6 +231,8 @@ class AssistantMasker:
         Raises:
             InvalidChatRecord: naming the message (or `tools`) and the special text, or what the template drops.
         """
+        if isinstance(record, TextRecord) and record.prompt is None:
+            return  # language modeling: tokenized as is, no mask depends on the special tokens
         places = [("'prompt'", record.prompt), ("'completion'", record.completion)] \
             if isinstance(record, TextRecord) else \
             [(f"message {i}", m) for i, m in enumerate(record.messages)] + [("'tools'", record.tools or ())]
@@ -212,7 +262,7 @@ class AssistantMasker:
         Raises:
             InvalidChatRecord: special-token text in any string, something the template does not render
                 (`check_renderable`), the template rejects the conversation (e.g. Gemma's alternation check) or
-                renders the prefix before a trained assistant message differently from the full conversation, or
+                renders the prefix before a labelled assistant message differently from the full conversation, or
                 writes no end-of-turn after a reply.
         """
         if not isinstance(record, (ChatRecord, TextRecord)):
@@ -221,42 +271,39 @@ class AssistantMasker:
         if isinstance(record, TextRecord):
             return self._encode_text(record)
         messages, tools, where = record.messages, record.tools, record.where
+        assistant = [index for index, message in enumerate(messages)
+                     if index >= record.context and message["role"] == "assistant"]
+        trained = [index for index in assistant if messages[index].get("training", True)]
         try:
             text = self.render(messages, tools)
-            spans = []
-            for index, message in enumerate(messages):
-                if message["role"] != "assistant" or not message.get("training", True):
-                    continue
-                prompt = self.render(messages[:index], tools, add_generation_prompt=True)
-                if not text.startswith(prompt):
-                    at = next((i for i, (a, b) in enumerate(zip(prompt, text)) if a != b), len(text))
-                    raise InvalidChatRecord(
-                        where,
-                        f"the chat template renders the turns before message {index} differently inside the full "
-                        f"conversation ({prompt[max(0, at - 30):at + 30]!r} alone, {text[max(0, at - 30):at + 30]!r} "
-                        "inside), so the reply would be trained in a context the model never sees when it writes it "
-                        "(e.g. two assistant messages in a row; Qwen3 with reasoning in a tool-calling turn followed "
-                        "by a new user message: split the record at that message)",
-                    )
-                end = text.find(self.end_of_turn, len(prompt))
-                if end < 0:
-                    raise InvalidChatRecord(where, f"no {self.end_of_turn!r} after assistant message {index}")
-                spans.append((len(prompt), end + len(self.end_of_turn)))
+            replies = _Replies(self, text, messages, tools, where)
+            if self.assistant_only_loss:
+                spans, holes = [replies[index] for index in trained], []
+            else:
+                spans = [(replies.context_end(record.context), len(text))]
+                holes = [replies[index] for index in assistant if index not in trained]
+            if self.ignore_empty_reasoning and self.empty_reasoning:
+                starts = [replies[index][0] for index in trained]
+                holes += [(start, start + len(self.empty_reasoning)) for start in starts
+                          if text.startswith(self.empty_reasoning, start)]
         except InvalidChatRecord:
             raise
         except Exception as error:  # noqa: BLE001 (jinja's TemplateError, or a TypeError inside the template)
             raise InvalidChatRecord(where, f"the chat template rejected the conversation: {error}") from None
         encoding = self._tokenize(text, add_special_tokens=False)
-        unrendered = sum(1 for m in messages if m.get("reasoning_content", "").strip() and
-                         m["reasoning_content"].strip() not in text)
-        return self._labelled(text, encoding, spans, unrendered)
+        unrendered = sum(1 for index in trained if messages[index].get("reasoning_content", "").strip() and
+                         messages[index]["reasoning_content"].strip() not in text)
+        return self._labelled(text, encoding, _without(spans, holes), unrendered)
 
     def _encode_text(self, record: TextRecord) -> EncodedChat:
         if not self.eos_token:
-            raise InvalidChatRecord(record.where, "plain-text prompt/completion needs the tokenizer's EOS token, and "
-                                                  "this tokenizer has none; give the record as messages")
-        text = record.prompt + record.completion + self.eos_token
-        return self._labelled(text, self._tokenize(text, add_special_tokens=True), [(len(record.prompt), len(text))])
+            raise InvalidChatRecord(record.where, "plain text needs the tokenizer's EOS token, and this tokenizer has "
+                                                  "none; give the record as messages, or pass eos_token")
+        prompt = record.prompt or ""
+        text = prompt + record.completion
+        if not text.endswith(self.eos_token):  # as TRL: a text that ends with EOS keeps its one
+            text += self.eos_token
+        return self._labelled(text, self._tokenize(text, add_special_tokens=True), [(len(prompt), len(text))])
 
     def _tokenize(self, text: str, add_special_tokens: bool):
         """`tokenizer(text)`'s encoding: the backend as transformers sets it for a call without truncation, padding
@@ -284,3 +331,65 @@ class AssistantMasker:
                 last += 1  # a character split over several tokens (byte-level BPE)
             labels[first : last + 1] = input_ids[first : last + 1]
         return EncodedChat(text, input_ids, labels, encoding, spans, unrendered)
+
+
+class _Replies:
+    """Where each assistant reply of a rendered conversation starts and ends (`replies[index]`: characters of `text`),
+    each found once: it starts where the rendered turns before it with the generation prompt end, which must be a
+    prefix of `text`, and ends after the first end-of-turn text from there."""
+
+    def __init__(self, masker: AssistantMasker, text: str, messages: Sequence[dict], tools, where: str):
+        self.masker, self.text, self.messages, self.tools, self.where = masker, text, messages, tools, where
+        self.found: dict[int, tuple[int, int]] = {}
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        if index not in self.found:
+            self.found[index] = self._find(index)
+        return self.found[index]
+
+    def _find(self, index: int) -> tuple[int, int]:
+        text, where = self.text, self.where
+        prompt = self.masker.render(self.messages[:index], self.tools, add_generation_prompt=True)
+        if not text.startswith(prompt):
+            at = next((i for i, (a, b) in enumerate(zip(prompt, text)) if a != b), len(text))
+            raise InvalidChatRecord(
+                where,
+                f"the chat template renders the turns before message {index} differently inside the full "
+                f"conversation ({prompt[max(0, at - 30):at + 30]!r} alone, {text[max(0, at - 30):at + 30]!r} "
+                "inside), so the reply would be trained in a context the model never sees when it writes it "
+                "(e.g. two assistant messages in a row; Qwen3 with reasoning in a tool-calling turn followed "
+                "by a new user message: split the record at that message, or split_reasoning_turns)",
+            )
+        end_of_turn = self.masker.end_of_turn
+        end = text.find(end_of_turn, len(prompt))
+        if end < 0:
+            raise InvalidChatRecord(where, f"no {end_of_turn!r} after assistant message {index}")
+        return len(prompt), end + len(end_of_turn)
+
+    def context_end(self, context: int) -> int:
+        """Where the text after the first `context` messages starts: 0 without context, the start of the reply that
+        follows it, or the end of the reply that closes it."""
+        if not context:
+            return 0
+        if self.messages[context]["role"] == "assistant":
+            return self[context][0]
+        if self.messages[context - 1]["role"] == "assistant":
+            return self[context - 1][1]
+        raise InvalidChatRecord(self.where, f"message {context} ({self.messages[context]['role']}) opens the trained "
+                                            f"part after a {self.messages[context - 1]['role']} message; start the "
+                                            "completion with the assistant's reply")
+
+
+def _without(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The character ranges of `spans` (sorted, disjoint) less those of `holes`."""
+    kept = []
+    for start, end in spans:
+        for hole_start, hole_end in sorted(holes):
+            if hole_end <= start or hole_start >= end:
+                continue
+            if hole_start > start:
+                kept.append((start, hole_start))
+            start = max(start, hole_end)
+        if start < end:
+            kept.append((start, end))
+    return kept

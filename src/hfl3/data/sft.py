@@ -4,18 +4,25 @@ provenance (`load_sft_data`). TRL's `SFTTrainer` uses such rows as they are.
 The way through, for each source (`hfl3.data.sft_sources`: a JSONL file or a `datasets` split):
 
 1. Encode: `datasets.Dataset.from_generator` over the source's shards, `dataset_num_proc` worker processes each
-   reading its shards in order. Every record is normalized (`hfl3.data.chat.normalize_record`), rendered and masked
-   (`hfl3.data.masks`) and cut to `max_length` (keep the start, like TRL): one Arrow row per record, an invalid one
-   with its reason. The result is cached by a fingerprint of the source's content (a file's sha256, a split's
-   `datasets` fingerprint), the tokenizer and template, `max_length` and this code, so a second run with the same
-   inputs reads the cached Arrow files instead of encoding.
+   reading its shards in order. Every record is normalized (`hfl3.data.chat.normalize_record`), cut into one sample
+   per reasoning turn with `split_reasoning_turns` (`hfl3.data.chat.split_reasoning_turns`), rendered and masked
+   (`hfl3.data.masks`) and cut to `max_length` as TRL's `truncation_mode` says: one Arrow row per sample, an invalid
+   record as one row with its reason. The result is cached by a fingerprint of the source's content (a file's sha256,
+   a split's `datasets` fingerprint), the tokenizer and template, every option that shapes the rows
+   (`RowOptions`, `AssistantMasker.options`) and this code, so a second run with the same inputs reads the cached
+   Arrow files instead of encoding.
 2. Report: invalid records stop the run (the first named, all counted) or, with `skip_invalid_records`, are counted
    and the first few logged; rows whose supervised tokens all fell beyond `max_length` are dropped and counted; a
    record equal to an earlier kept one (`ChatRecord.canonical`: in the same source or, for evaluation data, in the
    training data; compared by a 128-bit prefix of its sha256) is dropped and counted. Nothing usable left:
    `SFTDataError`.
-3. Split and hash: `val_split` holds out a seeded set of the kept training rows (`split_indices`); the kept records'
-   `sha256_records` (over their canonical JSON, in dataset order) is computed by streaming the Arrow files.
+3. Split, hash, shuffle: `val_split` holds out a seeded set of the kept training records (`split_indices`; the samples
+   of one record stay on one side); the kept rows' `sha256_records` (over their canonical JSON, in dataset order) is
+   computed by streaming the Arrow files; with `shuffle_dataset` both sides are shuffled as TRL shuffles them
+   (`Dataset.shuffle(seed)`: an index mapping, the rows stay where they are).
+
+`sft_data_options` maps the recipe's arguments (TRL's data flags among them) to `load_sft_data`'s options, in one
+place.
 
 Memory stays flat in the data: rows are written as they are encoded, then read back memory-mapped; only per-row
 scalars (lengths, counts, digests) are read whole, and the records' text is streamed through the hash.
@@ -28,7 +35,7 @@ import logging
 import os
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import datasets
@@ -37,7 +44,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from hfl3.data import chat, masks, sft_sources
-from hfl3.data.chat import ChatDataStats, InvalidChatRecord, SFTDataError, normalize_record
+from hfl3.data.chat import ChatDataStats, ChatRecord, InvalidChatRecord, SFTDataError, normalize_record, \
+    split_reasoning_turns
 from hfl3.data.masks import AssistantMasker
 from hfl3.data.sft_sources import SFTSource, iter_arrow_batches, iter_shard, open_dataset, open_jsonl
 from hfl3.provenance import canonical_json, sha256_records
@@ -57,10 +65,26 @@ FEATURES = datasets.Features({
     "truncated": datasets.Value("bool"),
     "sharegpt": datasets.Value("bool"),
     "reasoning_not_rendered": datasets.Value("int32"),
+    "sample": datasets.Value("int32"),
 })
 _INVALID = {"record": None, "digest_high": 0, "digest_low": 0, "input_ids": [], "labels": [], "supervised": 0,
-            "truncated": False, "sharegpt": False, "reasoning_not_rendered": 0}
+            "truncated": False, "sharegpt": False, "reasoning_not_rendered": 0, "sample": 0}
 SHARDS_PER_PROCESS = 4
+TRUNCATION_MODES = ("keep_start", "keep_end")
+SKIPS_PREPARATION = "skip_prepare_dataset"
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    """What turns a record into rows besides the masker's options: `max_length` (None: rows are not cut),
+    `truncation_mode` (TRL's: "keep_start" or "keep_end"), `completion_only_loss` and `dataset_text_field`
+    (`normalize_record`), `split_reasoning_turns` (`hfl3.data.chat.split_reasoning_turns`)."""
+
+    max_length: int | None = 1024
+    truncation_mode: str = "keep_start"
+    completion_only_loss: bool | None = None
+    dataset_text_field: str = "text"
+    split_reasoning_turns: bool = False
 
 
 @dataclass
@@ -97,20 +121,29 @@ def split_indices(n: int, val_split: float, seed: int) -> tuple[np.ndarray, np.n
     return np.flatnonzero(~held_out), val
 
 
-def encode_row(where: str, obj: object, masker: AssistantMasker, max_length: int | None) -> dict:
-    """One record (a decoded object, or the `InvalidChatRecord` its line gave) as a row of `FEATURES`: normalized,
-    masked and truncated, or invalid with `error` (the reason) and `kind` (its `ChatDataStats` counter)."""
+def encode_row(where: str, obj: object, masker: AssistantMasker, options: RowOptions) -> list[dict]:
+    """One record (a decoded object, or the `InvalidChatRecord` its line gave) as rows of `FEATURES`: normalized, cut
+    into samples (`options.split_reasoning_turns`), masked and truncated, one row per sample numbered by `sample`; or
+    one invalid row with `error` (the reason) and `kind` (its `ChatDataStats` counter)."""
     try:
         if isinstance(obj, InvalidChatRecord):
             raise obj
-        record = normalize_record(obj, where)
-        encoded = masker.encode(record)
+        record = normalize_record(obj, where, completion_only_loss=options.completion_only_loss,
+                                  dataset_text_field=options.dataset_text_field)
+        samples = split_reasoning_turns(record) if options.split_reasoning_turns and isinstance(record, ChatRecord) \
+            else (record,)
+        encoded = [masker.encode(sample) for sample in samples]
     except InvalidChatRecord as error:
-        return {**_INVALID, "where": where, "error": error.reason, "kind": error.kind}
-    ids, labels = encoded.input_ids, encoded.labels
+        return [{**_INVALID, "where": where, "error": error.reason, "kind": error.kind}]
+    return [_row(where, sample, chat, number, options) for number, (sample, chat) in enumerate(zip(samples, encoded))]
+
+
+def _row(where: str, record, encoded, number: int, options: RowOptions) -> dict:
+    ids, labels, max_length = encoded.input_ids, encoded.labels, options.max_length
     truncated = max_length is not None and len(ids) > max_length
     if truncated:
-        ids, labels = ids[:max_length], labels[:max_length]
+        kept = slice(-max_length, None) if options.truncation_mode == "keep_end" else slice(None, max_length)
+        ids, labels = ids[kept], labels[kept]
     text = canonical_json(record.canonical())
     digest = hashlib.sha256(text.encode("utf-8")).digest()
     return {"where": where, "error": None, "kind": None, "record": text,
@@ -118,13 +151,13 @@ def encode_row(where: str, obj: object, masker: AssistantMasker, max_length: int
             "digest_low": int.from_bytes(digest[8:16], "big", signed=True),
             "input_ids": ids, "labels": labels, "supervised": sum(label != -100 for label in labels[1:]),
             "truncated": truncated, "sharegpt": getattr(record, "sharegpt", False),
-            "reasoning_not_rendered": encoded.reasoning_not_rendered}
+            "reasoning_not_rendered": encoded.reasoning_not_rendered, "sample": number}
 
 
-def _encode_shards(shards, masker: AssistantMasker, max_length: int | None):
+def _encode_shards(shards, masker: AssistantMasker, options: RowOptions):
     for shard in shards:
         for where, obj in iter_shard(shard):
-            yield encode_row(where, obj, masker, max_length)
+            yield from encode_row(where, obj, masker, options)
 
 
 def _code_sha256() -> str:
@@ -133,15 +166,16 @@ def _code_sha256() -> str:
                                                                               sys.modules[__name__])])
 
 
-def encode_source(source: SFTSource, masker: AssistantMasker, max_length: int | None, num_proc: int = 1,
+def encode_source(source: SFTSource, masker: AssistantMasker, options: RowOptions, num_proc: int = 1,
                   cache_dir: str | None = None) -> datasets.Dataset:
-    """Every record of `source` as a row of `FEATURES`, in order, by `num_proc` processes; cached (module docstring)."""
-    fingerprint = sha256_records([[source.name, source.key, masker.fingerprint(), max_length, _code_sha256()]])[:40]
+    """Every record of `source` as rows of `FEATURES`, in order, by `num_proc` processes; cached (module docstring)."""
+    fingerprint = sha256_records([[source.name, source.key, masker.fingerprint(), asdict(options),
+                                   _code_sha256()]])[:40]
     shards = source.shards(max(1, num_proc) * SHARDS_PER_PROCESS)
     return datasets.Dataset.from_generator(
         _encode_shards, features=FEATURES, cache_dir=cache_dir, fingerprint=fingerprint,
         num_proc=num_proc if num_proc > 1 and len(shards) > 1 else None,
-        gen_kwargs={"shards": shards, "masker": masker, "max_length": max_length})
+        gen_kwargs={"shards": shards, "masker": masker, "options": options})
 
 
 def _numpy(table: pa.Table, column: str) -> np.ndarray:
@@ -150,11 +184,13 @@ def _numpy(table: pa.Table, column: str) -> np.ndarray:
 
 @dataclass
 class _Kept:
-    """The kept rows of one encoded source: row indices (sorted) and their digests, for later duplicate checks."""
+    """The kept rows of one encoded source: row indices (sorted), their digests (for later duplicate checks) and the
+    record each came from (`records`: its number in the source, non-decreasing)."""
 
     rows: np.ndarray
     keys: np.ndarray
     where: pa.ChunkedArray
+    records: np.ndarray
 
 
 def _first_equal(before: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -172,7 +208,12 @@ def _report(encoded: datasets.Dataset, name: str, skip_invalid_records: bool, ea
         InvalidChatRecord: the first invalid record (with the count of all), unless `skip_invalid_records`.
         SFTDataError: no usable record left.
     """
-    table, stats = encoded.data, ChatDataStats(read=len(encoded))
+    table = encoded.data
+    first_sample = _numpy(table, "sample") == 0
+    record_of_row = np.cumsum(first_sample) - 1  # every record's rows are consecutive, numbered from 0
+    samples_per_record = np.bincount(record_of_row)
+    stats = ChatDataStats(read=int(first_sample.sum()), reasoning_expanded=int((samples_per_record > 1).sum()),
+                          reasoning_samples=int(samples_per_record[samples_per_record > 1].sum()))
     where = table.column("where")
     invalid = table.column("error").is_valid().to_numpy(zero_copy_only=False)
     bad = np.flatnonzero(invalid)
@@ -215,10 +256,13 @@ def _report(encoded: datasets.Dataset, name: str, skip_invalid_records: bool, ea
     if stats.reasoning_not_rendered:
         logger.warning("%s: the chat template does not render the reasoning_content of %d assistant message(s) "
                        "(its history rules, or no support): not trained on", name, stats.reasoning_not_rendered)
+    if stats.reasoning_expanded:
+        logger.info("%s: %d conversation(s) cut into %d samples, one per reasoning turn (split_reasoning_turns)", name,
+                    stats.reasoning_expanded, stats.reasoning_samples)
     if not len(rows):
         counts = {k: v for k, v in stats.as_dict().items() if k != "first_errors"}
         raise SFTDataError(f"{name}: no usable conversation left ({counts})")
-    return _Kept(rows, keys[own], where), stats
+    return _Kept(rows, keys[own], where, record_of_row[rows]), stats
 
 
 def _stream_records(encoded: datasets.Dataset, rows: np.ndarray):
@@ -250,31 +294,54 @@ def load_sft_data(
     val_split: float = 0.0,
     seed: int = 42,
     max_length: int | None = 1024,
+    truncation_mode: str = "keep_start",
+    assistant_only_loss: bool = True,
+    completion_only_loss: bool | None = None,
+    eos_token: str | None = None,
+    dataset_text_field: str = "text",
+    shuffle_dataset: bool = False,
+    split_reasoning_turns: bool = False,
+    ignore_empty_reasoning: bool = False,
     skip_invalid_records: bool = False,
     chat_template: str | None = None,
     dataset_num_proc: int | None = None,
     cache_dir: str | None = None,
 ) -> SFTData:
     """Read, validate, mask and truncate SFT records into train/eval datasets with their provenance (module
-    docstring).
+    docstring). `sft_data_options` gives the keyword arguments from a recipe's arguments.
 
-    Training records come from `train_file` (JSONL) or the `dataset_train_split` (default "train") of
-    `dataset_name` (with `dataset_config`). Evaluation records from the `dataset_test_split` of `dataset_name`, or a
-    disjoint seeded `val_split` of the kept training records (`split_indices`), or `eval_file`; with none, `eval` is
-    None. Records equal to an earlier one are dropped and counted before the split, so no conversation is in both
-    train and eval. `provenance` holds `train_records_sha256` / `eval_records_sha256` (`sha256_records` of the kept
-    records' canonical form in dataset order), the local files' sha256, the `datasets` sources, the split seed, the
-    sizes, the end-of-turn text and the counts (`ChatDataStats` per source).
+    Training records come from `train_file` (JSONL, or gzip-compressed JSONL) or the `dataset_train_split` (default
+    "train") of `dataset_name` (with `dataset_config`). Evaluation records from the `dataset_test_split` of
+    `dataset_name`, or a disjoint seeded `val_split` of the kept training records (`split_indices`), or `eval_file`;
+    with none, `eval` is None. Records equal to an earlier one are dropped and counted before the split, so no
+    conversation is in both train and eval. `provenance` holds `train_records_sha256` / `eval_records_sha256`
+    (`sha256_records` of the kept rows' canonical form in dataset order, before shuffling), the local files' sha256,
+    the `datasets` sources, the split seed, the sizes, the end-of-turn text, the `options` that shaped the rows and
+    the counts (`ChatDataStats` per source).
 
     Args:
+        max_length: rows are cut to this many tokens (None: not cut, for TRL's `bfd_split` / `wrapped` packing,
+            which keeps the overflow); `truncation_mode` "keep_start" keeps the first tokens, "keep_end" the last.
+        assistant_only_loss: hfl3's default True trains the assistant replies the template renders; False the whole
+            text, as TRL (`hfl3.data.masks`).
+        completion_only_loss: prompt–completion records: None or True trains the completion only, False the whole
+            record (TRL's).
+        eos_token: instead of the tokenizer's EOS token (TRL's `eos_token`), appended to plain text.
+        dataset_text_field: the key of a language-modeling record's text (TRL's).
+        shuffle_dataset: shuffle the train and eval rows with `seed`, as TRL's preparation does (which hfl3 skips when
+            not packing; `sft_data_options` sets this only then).
+        split_reasoning_turns: one sample per assistant turn with reasoning (`hfl3.data.chat.split_reasoning_turns`).
+        ignore_empty_reasoning: leave the empty reasoning block a template inserts out of the loss.
         dataset_num_proc: processes that encode (TRL's `SFTConfig.dataset_num_proc`; None: 1).
         cache_dir: where the encoded rows, and a `datasets` source's prepared Arrow files, are cached (default: the
             `datasets` cache, `HF_DATASETS_CACHE`).
 
     Raises:
         InvalidChatRecord: the first bad record (all are counted in its message), unless `skip_invalid_records`.
-        SFTDataError: a source with no usable record left.
-        ValueError: not exactly one training source, or more than one evaluation source.
+        SFTDataError: a file that is not JSONL (Parquet, Arrow, another compression) or holds no record, a split
+            without rows, or a source with no usable record left; each before any record is encoded but the last.
+        ValueError: not exactly one training source, more than one evaluation source, an unknown `truncation_mode`,
+            or an `eos_token` not in the tokenizer's vocabulary.
     """
     if (train_file is None) == (dataset_name is None):
         raise ValueError("give exactly one of train_file and dataset_name")
@@ -284,28 +351,35 @@ def load_sft_data(
         raise ValueError(f"give either {given[0]} or {given[1]}, not both")
     if dataset_test_split and dataset_name is None:
         raise ValueError("dataset_test_split needs dataset_name")
-    masker = AssistantMasker(tokenizer, chat_template)
+    if truncation_mode not in TRUNCATION_MODES:
+        raise ValueError(f"truncation_mode={truncation_mode!r}; expected one of {', '.join(TRUNCATION_MODES)}")
+    masker = AssistantMasker(tokenizer, chat_template, assistant_only_loss=assistant_only_loss, eos_token=eos_token,
+                             ignore_empty_reasoning=ignore_empty_reasoning)
+    options = RowOptions(max_length, truncation_mode, completion_only_loss, dataset_text_field, split_reasoning_turns)
     num_proc = dataset_num_proc or 1
     if train_file is not None:
-        sources = {"train_file": open_jsonl(str(train_file))}
+        sources = {"train_file": open_jsonl(str(train_file), argument="train_file")}
     else:
         sources = {"dataset_train_split": open_dataset(dataset_name, dataset_config, dataset_train_split or "train",
-                                                       cache_dir)}
+                                                       cache_dir, dataset_text_field)}
     if eval_file is not None:
-        sources["eval_file"] = open_jsonl(str(eval_file))
+        sources["eval_file"] = open_jsonl(str(eval_file), argument="eval_file")
     if dataset_test_split:
-        sources["dataset_test_split"] = open_dataset(dataset_name, dataset_config, dataset_test_split, cache_dir)
+        sources["dataset_test_split"] = open_dataset(dataset_name, dataset_config, dataset_test_split, cache_dir,
+                                                     dataset_text_field)
     encoded, kept, stats, earlier = {}, {}, {}, None
     for argument, source in sources.items():
-        encoded[argument] = encode_source(source, masker, max_length, num_proc, cache_dir)
+        encoded[argument] = encode_source(source, masker, options, num_proc, cache_dir)
         kept[argument], stats[argument] = _report(encoded[argument], source.name, skip_invalid_records, earlier)
         earlier = earlier or kept[argument]
     train_argument, *eval_arguments = sources
     train_encoded, train_rows = encoded[train_argument], kept[train_argument].rows
-    if val_split:
-        train_positions, eval_positions = split_indices(len(train_rows), val_split, seed)
-        eval_encoded, eval_rows = train_encoded, train_rows[eval_positions]
-        train_rows = train_rows[train_positions]
+    if val_split:  # by record: the samples of one record stay on one side
+        records, record_of_row = np.unique(kept[train_argument].records, return_inverse=True)
+        _, eval_records = split_indices(len(records), val_split, seed)
+        held_out = np.isin(record_of_row, eval_records)
+        eval_encoded, eval_rows = train_encoded, train_rows[held_out]
+        train_rows = train_rows[~held_out]
     elif eval_arguments:
         eval_encoded, eval_rows = encoded[eval_arguments[0]], kept[eval_arguments[0]].rows
     else:
@@ -323,8 +397,51 @@ def load_sft_data(
         "eval_examples": len(eval_rows),
         "max_length": max_length,
         "end_of_turn": masker.end_of_turn,
+        "options": {**{k: v for k, v in asdict(options).items() if k != "max_length"}, **masker.options(),
+                    "shuffle_dataset": shuffle_dataset, "shuffle_seed": seed if shuffle_dataset else None},
         "counts": {argument: s.as_dict() for argument, s in stats.items()},
     }
     supervised = int(_numpy(train_encoded.data, "supervised")[train_rows].sum())
-    return SFTData(_rows(train_encoded, train_rows), _rows(eval_encoded, eval_rows) if len(eval_rows) else None,
-                   stats, provenance, supervised)
+    train = _rows(train_encoded, train_rows)
+    evaluation = _rows(eval_encoded, eval_rows) if len(eval_rows) else None
+    if shuffle_dataset:  # TRL's `_prepare_dataset`: `dataset.shuffle(seed=args.seed)`, train and eval alike
+        train = train.shuffle(seed=seed)
+        evaluation = evaluation.shuffle(seed=seed) if evaluation is not None else None
+    return SFTData(train, evaluation, stats, provenance, supervised)
+
+
+def sft_data_options(script_args, training_args, model_args) -> dict:
+    """`load_sft_data`'s keyword arguments (all but the tokenizer and `train_file`) from a chat SFT recipe's
+    arguments: the data sources and split of `script_args`, TRL's data flags of `training_args` (an `SFTConfig`) as
+    TRL 1.16 acts on them, and hfl3's reasoning flags. `model_args` is taken for the recipe's argument order; no data
+    option comes from it (the tokenizer carries `--chat_template_path`).
+
+    Where TRL acts on a flag itself the rows are left for it: with `packing_strategy` "bfd_split" or "wrapped" the rows
+    reach TRL's packer uncut (`max_length` None), as TRL's own preparation hands them over (it truncates only when not
+    packing, and those strategies keep the overflow); `shuffle_dataset` is applied here only when TRL's preparation is
+    skipped (`dataset_kwargs={"skip_prepare_dataset": True}`, hfl3's default when not packing), since TRL's
+    preparation shuffles itself. "bfd" packing cuts each row to `max_length` as `truncation_mode` says (TRL's "bfd"
+    keeps the start whatever the mode). The reasoning flags are read with `getattr` and default off.
+    """
+    packing_keeps_overflow = training_args.packing and training_args.packing_strategy in ("bfd_split", "wrapped")
+    trl_prepares = not (training_args.dataset_kwargs or {}).get(SKIPS_PREPARATION, False)
+    return {
+        "eval_file": script_args.eval_file or None,
+        "dataset_name": script_args.dataset_name,
+        "dataset_config": script_args.dataset_config,
+        "dataset_train_split": script_args.dataset_train_split,
+        "dataset_test_split": script_args.dataset_test_split,
+        "val_split": script_args.val_split,
+        "seed": training_args.seed,
+        "max_length": None if packing_keeps_overflow else training_args.max_length,
+        "truncation_mode": training_args.truncation_mode,
+        "assistant_only_loss": training_args.assistant_only_loss,
+        "completion_only_loss": training_args.completion_only_loss,
+        "eos_token": training_args.eos_token,
+        "dataset_text_field": training_args.dataset_text_field,
+        "shuffle_dataset": training_args.shuffle_dataset and not trl_prepares,
+        "split_reasoning_turns": getattr(script_args, "split_reasoning_turns", False),
+        "ignore_empty_reasoning": getattr(script_args, "ignore_empty_reasoning", False),
+        "skip_invalid_records": script_args.skip_invalid_records,
+        "dataset_num_proc": training_args.dataset_num_proc,
+    }

@@ -168,7 +168,7 @@ def muon_optimizer(
     **hyperparameters,
 ) -> MuonAdamW:
     """Build a `MuonAdamW` for `model` from a `TrainingArguments`, ready for `Trainer(optimizers=...)`, without
-    checking the distributed setup: `create_muon_optimizer` checks it first, `L3GPTTrainer` in its `__init__`.
+    checking the distributed setup: `create_muon_optimizer` checks it first, `PretrainTrainer` in its `__init__`.
 
     The Trainer then builds its LR scheduler (`args.lr_scheduler_type`, warm-up) on this optimizer;
     the scheduler multiplies every group's own LR, and checkpoints save/restore the optimizer state,

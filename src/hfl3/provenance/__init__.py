@@ -8,6 +8,8 @@ the trainers' output folders (`hfl3.trainers.output_mixins`) use it. One module 
 - `versions`: `package_versions`, `git_commit`, `git_dirty` — the software that produced it;
 - `portable`: `portable` — no token and no absolute path of this machine in anything written;
 - `metadata`: `build_metadata` (the dict), `stamp_folder` (written to all three places);
+- `lineage`: `base_lineage` (an output's `lineage`: its base's provenance, recursively, back to the corpus),
+  `read_chain` and `format_chain` (`python -m hfl3.provenance show FOLDER`);
 - `safetensors_header`: `provenance_header`, `add_safetensors_metadata` — the header, without rewriting the tensors;
 - `card`: `write_model_card` — `huggingface_hub.ModelCard.from_template`;
 - `hub`: `push_folder_to_hub`.
@@ -18,6 +20,7 @@ Atomic writes, which every output uses, are `hfl3.atomic`.
 from hfl3.provenance.card import write_model_card
 from hfl3.provenance.hashing import canonical_json, config_sha256, sha256_file, sha256_records
 from hfl3.provenance.hub import push_folder_to_hub
+from hfl3.provenance.lineage import base_lineage, format_chain, read_chain
 from hfl3.provenance.metadata import METADATA_FORMAT_VERSION, build_metadata, stamp_folder
 from hfl3.provenance.portable import SECRET_KEYS, portable
 from hfl3.provenance.safetensors_header import add_safetensors_metadata, provenance_header
@@ -28,15 +31,18 @@ __all__ = [
     "SECRET_KEYS",
     "TRACKED_PACKAGES",
     "add_safetensors_metadata",
+    "base_lineage",
     "canonical_json",
     "build_metadata",
     "config_sha256",
+    "format_chain",
     "git_commit",
     "git_dirty",
     "package_versions",
     "portable",
     "provenance_header",
     "push_folder_to_hub",
+    "read_chain",
     "sha256_file",
     "sha256_records",
     "stamp_folder",

@@ -20,9 +20,9 @@ METADATA_FORMAT_VERSION = 1
 
 def build_metadata(**sections: Any) -> dict:
     """One JSON-safe provenance dict: the given named sections (e.g. `data=...`, `base_model=...`, `lora=...`,
-    `training_args=...`) plus `format_version`, `created_at` (UTC, ISO 8601), `versions` (`package_versions()`) and
-    `git_commit` / `git_dirty` (of the checkout hfl3 runs from; None for an installed wheel). A section named like one
-    of the added keys replaces it."""
+    `training_args=...`, `lineage=base_lineage(...)` for an output trained from a base) plus `format_version`,
+    `created_at` (UTC, ISO 8601), `versions` (`package_versions()`) and `git_commit` / `git_dirty` (of the checkout
+    hfl3 runs from; None for an installed wheel). A section named like one of the added keys replaces it."""
     source = Path(__file__).resolve().parent
     added = {
         "format_version": METADATA_FORMAT_VERSION,

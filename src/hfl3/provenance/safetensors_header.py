@@ -43,14 +43,16 @@ def find_hashes(obj: Any, prefix: str = "") -> Iterable[tuple[str, str]]:
 def provenance_header(metadata: Mapping[str, Any], max_section_bytes: int = 16384) -> dict[str, str]:
     """The `.safetensors` header entries: every top-level section of `metadata` as a JSON string under
     `hfl3.<section>`, except the argument sections (in `metadata.json` only); a section longer than
-    `max_section_bytes` as JSON (a corpus of thousands of files) keeps only its `*sha256*` entries."""
+    `max_section_bytes` as JSON (a corpus of thousands of files, a long `lineage`) keeps only its `*sha256*` entries
+    (a list's under its items' positions: `0.metadata_sha256`)."""
     header = {}
     for key, value in metadata.items():
         if key in _ARGUMENT_SECTIONS:
             continue
         text = json.dumps(value, sort_keys=True)
         if len(text) > max_section_bytes:
-            text = json.dumps(dict(find_hashes(value)), sort_keys=True)
+            items = {str(i): item for i, item in enumerate(value)} if isinstance(value, list) else value
+            text = json.dumps(dict(find_hashes(items)), sort_keys=True)
         header[f"hfl3.{key}"] = text
     return header
 

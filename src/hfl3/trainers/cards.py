@@ -30,7 +30,7 @@ def l3gpt_model_card(metadata: Mapping[str, Any], name: str) -> dict:
     that loads it."""
     results = metadata.get("results") or {}
     bpb = results.get("eval_bpb")
-    start = results.get("initial_eval_bpb")
+    start = results.get("eval_before_bpb")
     core = (metadata.get("evaluation") or {}).get("core")
     text = (f"L3GPT pretrained with hfl3 on `{portable(str(metadata.get('data', {}).get('source')))}`"
             + (f": validation bpb {bpb:.4f}" if bpb is not None else "")
@@ -69,6 +69,15 @@ def sft_model_card(metadata: Mapping[str, Any], name: str, adapter: bool) -> dic
         usage = (f"Full model: `{shown}` with the LoRA adapter merged in, trained with hfl3's `recipes/sft_lora.py`."
                  f"\n\n```python\n{register}from transformers import AutoModelForCausalLM\n"
                  f"model = AutoModelForCausalLM.from_pretrained({name!r})\n```")
+    if quantized := base.get("quantization"):  # QLoRA (hfl3.trainers.base_model.quantization_metadata)
+        usage += (f"\n\nTrained on the base quantized by bitsandbytes ({quantized['bits']}-bit "
+                  f"{quantized['quant_type']}, the rest in {quantized['dtype']}); " + (
+                      "load it quantized the same way (on the unquantized base the adapter meets weights it was not "
+                      "trained with):\n\n```python\nfrom transformers import BitsAndBytesConfig\nmodel = "
+                      f"AutoPeftModelForCausalLM.from_pretrained({name!r}, quantization_config=BitsAndBytesConfig("
+                      + ", ".join(f"{key}={value!r}" for key, value in quantized["bitsandbytes_config"].items())
+                      + f"), dtype={quantized['dtype']!r})\n```" if adapter
+                      else f"the adapter is merged into its dequantized weights, in {quantized['dtype']}."))
     results = metadata.get("results")
     if results:
         usage += "\n\n## Results\n\n" + "\n".join(f"- {k}: {v}" for k, v in sorted(results.items()))

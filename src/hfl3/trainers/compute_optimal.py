@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hfl3.errors import InputError
 from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
 
 REFERENCE_DEPTH = 12  # nanochat tuned its hyperparameters and B_ref on d12
@@ -88,11 +89,11 @@ def auto_total_batch_size(target_tokens: float, reference_tokens: float) -> int:
     return 2 ** round(math.log2(predicted))
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """A run the dial cannot size (a batch that does not divide, a budget under one step, a contradicting
     `--gradient_accumulation_steps`); the message names the numbers and the fix. Raised at parse time by the
     arguments' own checks, or by `compute_optimal_plan` once the model is known: the recipes end with it in one line,
-    exit status 2 (`hfl3.trainers.guards.exit_on_training_error`)."""
+    exit status 2 (`hfl3.trainers.exits`)."""
 
 
 def derive_gradient_accumulation_steps(total_batch_size: int, per_device_train_batch_size: int, max_length: int,

@@ -1,7 +1,6 @@
-"""Guards shared by both recipes: argument checks made while the arguments are parsed (`check_training_arguments`),
-the tokenizer-fits-the-model check of SFT (`check_vocabulary_fits`), the non-finite loss / gradient-norm stop of a
-training run (`NonFiniteGuard`, a `Trainer` mixin) and the one-line error that ends a launched recipe
-(`exit_on_training_error`).
+"""Guards of a training run: the tokenizer-fits-the-model check of SFT (`check_vocabulary_fits`) and the non-finite
+loss / gradient-norm stop (`NonFiniteGuard`, a `Trainer` mixin). How a recipe ends when it stops on an error is
+`hfl3.trainers.exits`.
 
 The NaN/inf guard costs no device→host synchronisation per step (the pretraining step is kept free of them, decision
 12 of docs/design.md): each step compares the loss and the gradient norm with `torch.isfinite` on the device and keeps
@@ -13,23 +12,15 @@ stays the newest one.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import sys
-from collections.abc import Iterator
 
 import pyarrow.compute as pc
 import torch
 from transformers.trainer_utils import get_last_checkpoint
 
 from hfl3.callbacks import BeforeLogSaveEvaluate
-from hfl3.data.chat import InvalidChatRecord, SFTDataError
-from hfl3.distributed import lost_peer_message
-
-from .compute_optimal import PlanError
-from .launch import LaunchError
 
 logger = logging.getLogger(__name__)
 
@@ -41,27 +32,6 @@ class NonFiniteTrainingError(RuntimeError):
     def __init__(self, message: str, step: int):
         super().__init__(message)
         self.step = step
-
-
-def check_training_arguments(args) -> None:
-    """Refuse arguments that would train nothing or the wrong way, before any data work (call it from a
-    `TrainingArguments` subclass's `__post_init__`, so that `hfl3.trainers.launch.parse_recipe_args` shows it as an
-    argument error).
-
-    Raises:
-        ValueError: `learning_rate <= 0` (zero trains nothing, a negative rate climbs the loss); `max_steps` 0 or
-            below -1 (-1, the default, trains `num_train_epochs` epochs); `num_train_epochs <= 0` with
-            `max_steps = -1`.
-    """
-    if not args.learning_rate > 0:
-        raise ValueError(f"learning_rate={args.learning_rate}: expected a positive learning rate (0 trains nothing, "
-                         "a negative rate climbs the loss); e.g. --learning_rate 3e-4")
-    if args.max_steps == 0 or args.max_steps < -1:
-        raise ValueError(f"max_steps={args.max_steps}: expected a positive number of optimizer steps, or -1 (the "
-                         "default) to train --num_train_epochs epochs")
-    if args.max_steps == -1 and not args.num_train_epochs > 0:
-        raise ValueError(f"num_train_epochs={args.num_train_epochs} with max_steps=-1 trains nothing: pass a "
-                         "positive --num_train_epochs or --max_steps")
 
 
 def check_vocabulary_fits(tokenizer, model, datasets=()) -> None:
@@ -206,31 +176,3 @@ class NonFiniteGuard:
                 f"--learning_rate (now {self.args.learning_rate:g}), raise --warmup_steps (now "
                 f"{self.args.warmup_steps}), keep --max_grad_norm above 0 (now {self.args.max_grad_norm:g}), or check "
                 f"the batch of step {first}; then restart or resume from the newest checkpoint")
-
-
-@contextlib.contextmanager
-def exit_on_training_error(prog: str | None = None) -> Iterator[None]:
-    """Around a recipe's `main(...)`: a `NonFiniteTrainingError` ends the program with `PROG: error: <message>` on
-    stderr and exit status 1 instead of a traceback; a `LaunchError` (a distributed setup accelerate replaced,
-    `hfl3.trainers.launch.check_launch`), a run the compute-optimal dial cannot size (`PlanError`) or bad SFT data
-    (`InvalidChatRecord`, `SFTDataError`: the record and the reason, or a source with nothing usable left) with exit
-    status 2, as argument errors (`parse_recipe_args`). Every rank prints its message (the same on each): the launcher
-    stops the others as soon as one exits, so a message left to rank 0 alone could be cut off. A failure of the process
-    group because a rank is gone (its machine lost, its launcher killed) or stopped answering within the collective
-    timeout (`--ddp_timeout`) ends the others with one line naming the lost ranks (`hfl3.distributed.lost_peer_message`)
-    and exit status 1."""
-    try:
-        yield
-    except (NonFiniteTrainingError, LaunchError, PlanError, InvalidChatRecord, SFTDataError) as error:
-        # one write of the whole line: the ranks of a launch print at the same moment into one unbuffered stream
-        sys.stderr.write(f"{prog or os.path.basename(sys.argv[0])}: error: {error}\n")
-        sys.stderr.flush()
-        sys.exit(1 if isinstance(error, NonFiniteTrainingError) else 2)
-    except RuntimeError as error:  # the process group failed: a lost rank is named, anything else propagates
-        message = lost_peer_message(error)
-        if message is None:
-            raise
-        sys.stderr.write(f"{prog or os.path.basename(sys.argv[0])}: error: {message}\n")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # no interpreter shutdown: it would wait on the broken group's threads and the data workers

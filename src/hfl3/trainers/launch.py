@@ -1,59 +1,14 @@
-"""How a launched recipe starts: its arguments parsed with one clear message on a bad one, and checks on how it was
-launched (`recipes/pretrain.py`, `recipes/sft_lora.py`). How every multi-process entry point ends is
-`hfl3.distributed.end_distributed_run`."""
+"""How a recipe was launched: accelerate's setup checked against the launch (`check_launch`), the gloo process group of a
+`--use_cpu` launch set up with `--ddp_timeout`, and the recipes' log format. Their arguments are parsed and checked by
+`hfl3.trainers.arguments`; how every multi-process entry point ends is `hfl3.distributed.end_distributed_run`."""
 
-import argparse
 import logging
 import os
-from collections.abc import Sequence
-
-import yaml
 
 logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 """The recipes' log lines (`logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)` in their `__main__`)."""
-
-
-def add_config_argument(parser):
-    """Document `--config FILE` in the recipe's `--help`, first among the options, and shorten the usage line to
-    `usage: PROG [--config FILE] [options] (--help lists them)` (argparse's would list every option, hundreds of lines,
-    also above each error message). `TrlParser.parse_args_and_config` takes `--config` out of the arguments itself
-    before argparse sees them, so the argument only shows in the help (`default=SUPPRESS`: it never reaches the
-    parsed dataclasses). The recipe's dataclasses carry `_argument_group_name`, so each is its own group of options
-    listed after this one, in the parser's order.
-
-    Returns:
-        `parser`.
-    """
-    parser.usage = "%(prog)s [--config FILE] [options] (--help lists them)"
-    parser.add_argument(
-        "--config", metavar="FILE", default=argparse.SUPPRESS,
-        help="YAML file of option values (recipes/configs/*.yaml); options given on the command line override it",
-    )
-    return parser
-
-
-def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
-    """`parser.parse_args_and_config(args)` (a TRL `TrlParser`: `--config FILE`, then command-line overrides), where
-    a bad argument stops the program with one message instead of a traceback: the usage line (short, from
-    `add_config_argument`), then `PROG: error: <what is wrong>`, exit status 2 (argparse's convention).
-
-    Bad arguments: those argparse rejects (an invalid value, a missing one), flags no argument class declares, a
-    `--config` file that cannot be read or is not a YAML mapping, and values an argument class rejects in its
-    `__post_init__` (`ValueError`/`TypeError`, e.g. `--eval_strategy bogus`).
-
-    Args:
-        parser: the recipe's `TrlParser`, through `add_config_argument`.
-        args: the arguments (default: `sys.argv[1:]`).
-
-    Returns:
-        The parsed dataclasses, as `parse_args_and_config` returns them.
-    """
-    try:
-        return parser.parse_args_and_config(args)
-    except (ValueError, TypeError, OSError, yaml.YAMLError) as error:
-        parser.error(str(error))
 
 
 # The distributed types of a process that FSDP runs in: accelerate 1.15 turns FSDP on (`AcceleratorState.__init__`,
@@ -67,7 +22,7 @@ CPU_DDP = "on a CPU machine use accelerate_configs/multi_cpu_ddp.yaml with --use
 class LaunchError(RuntimeError):
     """The processes that `accelerate launch` started are not set up as its config file asks; the message names
     the config and the fix. A launched recipe ends with it as one line and exit status 2
-    (`hfl3.trainers.guards.exit_on_training_error`)."""
+    (`hfl3.trainers.exits.recipe_exits`)."""
 
 
 def launch_problem(requested: str, distributed_type: str, world_size: int, launched: int) -> str | None:

@@ -1,5 +1,5 @@
 """The Trainer side of output folders (`hfl3.trainers.outputs` has the functions): `OutputFolderMixin` and its two
-flavours, `L3GPTOutputs` (pretraining) and `SFTOutputs` (LoRA adapters).
+flavours, `PretrainOutputs` (pretraining) and `SFTOutputs` (LoRA adapters).
 
 - Every checkpoint is written to `output_dir/_hfl3_staging/checkpoints/checkpoint-N` and renamed to
   `output_dir/checkpoint-N` once complete, with `hfl3_run.json` (the run's fingerprint and its loss and time so far);
@@ -8,13 +8,14 @@ flavours, `L3GPTOutputs` (pretraining) and `SFTOutputs` (LoRA adapters).
 - Every saved folder is stamped with the run's provenance (`hfl3.provenance`); a resume refuses a checkpoint of
   another model config, tokenizer or data, naming the difference, and reports `train_loss` and throughput over the
   whole run; `finish_output()` stages the final folder and commits it; `push_output()` uploads it.
-- `L3GPTOutputs` and `SFTOutputs` add their model's card (`hfl3.trainers.cards`); `SFTOutputs` names the adapter's base
+- `PretrainOutputs` and `SFTOutputs` add their model's card (`hfl3.trainers.cards`); `SFTOutputs` names the adapter's base
   model as `hfl3.trainers.outputs.local_base_model` / `base_model_hub_id` say.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -29,25 +30,18 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hfl3.atomic import write_json_atomic
 from hfl3.callbacks import save_loss_png
-from hfl3.distributed import (
-    SeparateDisks,
-    broadcast_model_from_main,
-    checkpoint_on_this_machine,
-    from_main,
-    gather_files_to_main,
-    remove_empty_parents,
-    separate_disks,
-)
+from hfl3.distributed import broadcast_model_from_main, from_main, gather_files_to_main, remove_empty_parents
 from hfl3.provenance import portable, push_folder_to_hub, sha256_records, stamp_folder
 from hfl3.trainers.cards import l3gpt_model_card, sft_model_card, usage_name
 from hfl3.trainers.outputs import (
     CHECKPOINT_FOLDER,
     RUN_STATE,
     STAGING,
+    OutputFolder,
     base_model_hub_id,
     commit_folder,
     local_base_model,
-    resolve_checkpoint,
+    prepare_output_dir,
 )
 
 logger = logging.getLogger(__name__)
@@ -81,6 +75,11 @@ class OutputFolderMixin:
     checkpoint folders and re-save the model into `output_dir`; `push_output()` uploads the committed folder with
     the same `hub_model_id`, `hub_private_repo`, `hub_token` and `hub_revision`.
 
+    Args:
+        output_folder: where the run writes, as the recipe's `prepare_output_dir` resolved it while parsing (the
+            resume checkpoint, the replacing run's checkpoint folder, the machines' disks); without it, `train`
+            resolves it once, the same way, from `args.output_dir` and its `resume_from_checkpoint` argument.
+
     Attributes:
         provenance: a `build_metadata` dict stamped into every saved folder, or None (nothing stamped).
         run_totals: the resumed checkpoint's `{"train_loss_sum", "train_runtime", "global_step"}`, zeros when the
@@ -89,25 +88,24 @@ class OutputFolderMixin:
 
     provenance: dict | None = None
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, output_folder: OutputFolder | None = None, **kwargs):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         self.push_at_end = bool(training_args is not None and training_args.push_to_hub)
         if self.push_at_end:
             training_args.push_to_hub = False
         super().__init__(*args, **kwargs)
+        self.output_folder = self._given_output_folder = output_folder
         self.final_output_dir = self.args.output_dir
         self.run_totals = dict(_NO_TOTALS)
         self._train_started = time.time()
-        self._stale_checkpoints: list[Path] = []
         self._run_loss = _LossTally()
-        self._disks = SeparateDisks()
 
     # ---- fingerprint and resume ----
 
     def run_fingerprint(self) -> dict:
         """What a resumed run must share with its checkpoint: the model config (without where it was loaded from),
         the tokenizer's sha256 (vocabulary, merges, chat template) and the data (a streamed dataset's
-        `fingerprint()`, else the `*_sha256` entries of `provenance["data"]`)."""
+        `fingerprint()`, else the `*_sha256` entries and the `options` of `provenance["data"]`)."""
         model = self.accelerator.unwrap_model(self.model)
         model = model.get_base_model() if hasattr(model, "get_base_model") else model
         # Not the architecture: where it was loaded from, what save_pretrained adds, the special-token ids the
@@ -124,6 +122,8 @@ class OutputFolderMixin:
         else:
             section = (self.provenance or {}).get("data") or {}
             data = {k: v for k, v in section.items() if k.endswith("_sha256") and isinstance(v, str)}
+            if "options" in section:  # what shaped the rows (masks, truncation, samples): another run's otherwise
+                data["options"] = section["options"]
         return json.loads(json.dumps({"model_config": config, "tokenizer_sha256": sha256_records(tokenizer_text),
                                       "data": data}, default=str))
 
@@ -146,28 +146,27 @@ class OutputFolderMixin:
         self.run_totals = saved["totals"]
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """`Trainer.train`, resuming from `latest`/`True` = the newest complete checkpoint (`latest_checkpoint`),
-        after `check_checkpoint`; the resolved folder (or None) is `self.resume_checkpoint` while it runs. After a
-        resume, `train_loss` and the throughput cover the whole run (`log`).
-
-        Across machines, global rank 0 resolves the checkpoint and a machine without it reads a copy
-        (`checkpoint_on_this_machine`); the ranks whose `output_dir` is not rank 0's are found here
-        (`separate_disks`), for `_save_checkpoint` and `finish_output`. When the best model was loaded at the end
-        (`load_best_model_at_end`), such machines, which lack the best checkpoint, take rank 0's weights."""
-        resolved = from_main(lambda: resolve_checkpoint(self.args.output_dir, resume_from_checkpoint))
-        checkpoint = checkpoint_on_this_machine(resolved, Path(self.args.output_dir) / STAGING / "resume")
-        self._disks = separate_disks(Path(self.args.output_dir) / STAGING)
+        """`Trainer.train`, resuming from the checkpoint the output folder resolved (`output_folder`, else
+        `prepare_output_dir(args, refuse=False)` with `resume_from_checkpoint`: `latest`/`True` = the newest complete
+        checkpoint), after `check_checkpoint`; the folder (or None) is `self.resume_checkpoint` while it runs. After a
+        resume, `train_loss` and the throughput cover the whole run (`log`). When the best model was loaded at the
+        end (`load_best_model_at_end`), machines that do not see rank 0's disk, and so lack the best checkpoint, take
+        rank 0's weights."""
+        self.output_folder = self._given_output_folder
+        if self.output_folder is None:
+            asked = copy.copy(self.args)
+            asked.resume_from_checkpoint = resume_from_checkpoint
+            self.output_folder = prepare_output_dir(asked, refuse=False)
+        checkpoint = self.output_folder.resume_checkpoint
         self.run_totals = dict(_NO_TOTALS)
         if checkpoint:
             self.check_checkpoint(checkpoint)
         self.resume_checkpoint = checkpoint
-        self._stale_checkpoints = [] if checkpoint else [
-            p for p in Path(self.args.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*") if CHECKPOINT_FOLDER.match(p.name)]
         self._train_started = time.time()
         self._run_loss = _LossTally()
         output = super().train(checkpoint or None, *args, **kwargs)
-        if self._disks.writers and from_main(lambda: bool(self.args.load_best_model_at_end and
-                                                          self.state.best_model_checkpoint)):
+        if self.output_folder.disks.writers and from_main(lambda: bool(self.args.load_best_model_at_end and
+                                                                       self.state.best_model_checkpoint)):
             broadcast_model_from_main(self.accelerator.unwrap_model(self.model))
         return output._replace(training_loss=output.metrics["train_loss"]) if self.run_totals["global_step"] else output
 
@@ -208,11 +207,11 @@ class OutputFolderMixin:
         included); then the old checkpoints rotate as usual. Across machines, what the ranks of a machine without
         global rank 0's disk wrote (their RNG and data-stream states) is moved into rank 0's staged checkpoint first
         (`gather_files_to_main`): the committed checkpoint holds every rank's state, and no staging is left there."""
-        run_dir = Path(self.args.output_dir)
+        run_dir, disks = self.output_folder.run_dir, self.output_folder.disks
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        staging = run_dir / STAGING / "checkpoints"
+        staging = self.output_folder.path / STAGING / "checkpoints"
         staged, final = staging / name, run_dir / name
-        if (self.args.should_save or self.args.process_index in self._disks.writers) and staged.exists():
+        if (self.args.should_save or self.args.process_index in disks.writers) and staged.exists():
             shutil.rmtree(staged)
         self.accelerator.wait_for_everyone()
         with self._output_dir(staging):
@@ -224,10 +223,11 @@ class OutputFolderMixin:
             self.state.save_to_json(str(staged / "trainer_state.json"))
         self.save_resume_state(staged)
         self.accelerator.wait_for_everyone()
-        gather_files_to_main(staged, self._disks, stop=run_dir)
+        gather_files_to_main(staged, disks, stop=self.output_folder.path)
         if self.args.should_save:
             if final.exists():
                 shutil.rmtree(final)
+            run_dir.mkdir(parents=True, exist_ok=True)
             staged.rename(final)
             for entry in staging.iterdir():  # what the Trainer wrote beside the checkpoint (TRL's card) goes on
                 if not CHECKPOINT_FOLDER.match(entry.name):
@@ -235,17 +235,13 @@ class OutputFolderMixin:
             for empty in (staging, staging.parent):  # leave no staging folder behind once nothing is staged
                 with contextlib.suppress(OSError):
                     empty.rmdir()
-            for stale in self._stale_checkpoints:  # --overwrite_output_dir: the old run's, once this one has one
-                if stale != final:
-                    shutil.rmtree(stale, ignore_errors=True)
-            self._stale_checkpoints = []
             rotate_checkpoints(str(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint,
                                use_mtime=False)
 
     def save_resume_state(self, folder: Path) -> None:
         """What a resume needs beyond the Trainer's own checkpoint, written on every process into the staged
         checkpoint `folder` before the rename that completes it: `hfl3_run.json` (the run's fingerprint, and its loss
-        sum, seconds and steps so far). Subclasses add their own state (`L3GPTTrainer`: the data stream's)."""
+        sum, seconds and steps so far). Subclasses add their own state (`PretrainTrainer`: the data stream's)."""
         undrained = self._run_loss.undrained(self.accelerator)  # a collective: every process is here
         if self.args.should_save:
             totals = {"train_loss_sum": self.run_totals["train_loss_sum"] + self._run_loss.logged_sum + undrained,
@@ -291,9 +287,11 @@ class OutputFolderMixin:
     def finish_output(self) -> Iterator[Path]:
         """`with trainer.finish_output() as folder:` everything the block writes to `args.output_dir` (`save_model`,
         `save_metrics`, `save_state`, extra files) goes to `_hfl3_staging/final` and replaces the output folder's
-        files only when the block completes (`commit_folder`); on an exception nothing is committed. Call on every
-        process (it synchronises them). A machine without global rank 0's disk then removes its staging area (a
-        resume copy) and its `output_dir` when that is left empty: only machine 0 keeps outputs."""
+        files only when the block completes (`commit_folder`); on an exception nothing is committed. A run that
+        replaces another run's folder (`OutputFolder.replacing`) moves its checkpoints in with the final folder and
+        every old file out, in the same commit. Call on every process (it synchronises them) after `train`. A
+        machine without global rank 0's disk then removes its staging area (a resume copy) and its `output_dir` when
+        that is left empty: only machine 0 keeps outputs."""
         final = Path(self.final_output_dir)
         staged = final / STAGING / "final"
         if self.args.should_save:
@@ -303,9 +301,11 @@ class OutputFolderMixin:
         with self._output_dir(staged):
             yield staged
         self.accelerator.wait_for_everyone()
+        folder = self.output_folder or OutputFolder(final, final)  # finished without train(): nothing to resolve
         if self.args.should_save:
-            commit_folder(staged, final)
-        if self.args.process_index in self._disks.writers:
+            commit_folder(staged, final, replace_all=folder.replacing,
+                          checkpoints_from=folder.run_dir if folder.replacing else None)
+        if self.args.process_index in folder.disks.writers:
             shutil.rmtree(final / STAGING, ignore_errors=True)
             remove_empty_parents(final / STAGING, stop=final)
         self.accelerator.wait_for_everyone()
@@ -393,7 +393,7 @@ def _link_or_copy(source: str, target: str) -> None:
         shutil.copy2(source, target)
 
 
-class L3GPTOutputs(OutputFolderMixin):
+class PretrainOutputs(OutputFolderMixin):
     """`OutputFolderMixin` with the pretrained L3GPT's model card."""
 
     def model_card(self, metadata: Mapping[str, Any]) -> dict:

@@ -2,19 +2,24 @@
 whole; nothing is lost, and nothing of this machine leaks. The Trainer side (staged checkpoints, the final folder,
 resume checks) is `hfl3.trainers.output_mixins`.
 
-- `prepare_output_dir(args)`: the recipes' first call (made while their arguments are parsed). Refuses a non-empty
+- `prepare_output_dir(args) -> OutputFolder`: the recipes' first call (made while their arguments are parsed), whose
+  result the trainer holds (`OutputFolderMixin(output_folder=...)`): nothing re-derives it. Refuses a non-empty
   `output_dir` unless the run resumes (`--resume_from_checkpoint latest|true|PATH`) or `--overwrite_output_dir` is
   given, and a push that could not happen; resolves `latest`/`true` to the newest complete checkpoint
-  (`latest_checkpoint`); finishes a final folder whose commit was interrupted. Nothing in `output_dir` is touched
-  before training. Across machines global rank 0 decides and every machine reads its checkpoint
-  (`hfl3.distributed`).
-- `commit_folder(staged, folder)`: a staged folder moved in, weights last, finished by the next start after a kill.
+  (`latest_checkpoint`); finishes a final folder whose commit was interrupted; probes which machines see rank 0's
+  disk. Nothing in `output_dir` is touched before training, and a run that replaces another run's folder
+  (`--overwrite_output_dir`) writes its checkpoints into the staging area, so that until it commits, the old
+  folder stays whole and a kill cannot mix the two runs. Across machines global rank 0 decides and every machine
+  reads its checkpoint (`hfl3.distributed`).
+- `commit_folder(staged, folder, replace_all)`: a staged folder moved in, weights last, finished by the next start
+  after a kill.
 - An adapter's base model: the local `adapter_config.json` names a local base by its absolute path
   (`local_base_model`), the only local path in any output, because PEFT resolves `base_model_name_or_path` against
   the working directory; what is pushed names the base's Hub id (`base_model_hub_id`).
 
 Layout of the staging area, ignored by `get_last_checkpoint`, `rotate_checkpoints` and the Hub upload:
-`output_dir/_hfl3_staging/{checkpoints/checkpoint-N, final, previous, work, resume, upload}`.
+`output_dir/_hfl3_staging/{checkpoints/checkpoint-N, final, previous, work, resume, upload, run}`; `run` holds the
+checkpoints of a run that replaces another run's folder.
 """
 
 from __future__ import annotations
@@ -25,12 +30,15 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import constants as hub_constants
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from hfl3.atomic import write_json_atomic
 from hfl3.distributed import SeparateDisks, checkpoint_on_this_machine, from_main, on_all_ranks, separate_disks
+from hfl3.errors import InputError
 from hfl3.provenance.hub import is_hub_id
 
 logger = logging.getLogger(__name__)
@@ -39,6 +47,8 @@ STAGING = "_hfl3_staging"
 RUN_STATE = "hfl3_run.json"
 COMPLETE = ".complete"
 LATEST = ("latest", "true", "True", "1")
+REPLACING_RUN = "run"
+"""`output_dir/_hfl3_staging/run`: the checkpoints of a run that replaces another run's folder, until it commits."""
 CHECKPOINT_FOLDER = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _WEIGHTS = re.compile(r".*\.(safetensors|bin|pt)$|.*\.index\.json$")
 
@@ -50,23 +60,52 @@ def work_dir(output_dir: str | os.PathLike) -> Path:
 
 
 def checkpoint_problem(folder: str | os.PathLike) -> str | None:
-    """Why checkpoint `folder` cannot be resumed from (no or unreadable `trainer_state.json`, an empty file), or
-    None when it is complete."""
+    """Why checkpoint `folder` cannot be resumed from (no or unreadable `trainer_state.json`, an empty file, a
+    `.safetensors` file whose header is unreadable or whose tensors run past its end), or None when it is complete.
+    Reads the headers only, never the tensors."""
     folder = Path(folder)
     try:
         json.loads((folder / "trainer_state.json").read_text())
     except (OSError, ValueError) as error:
         return f"trainer_state.json unreadable ({error.__class__.__name__})"
     empty = sorted(f.name for f in folder.rglob("*") if f.is_file() and f.stat().st_size == 0)
-    return f"empty file(s) {', '.join(empty)}" if empty else None
+    if empty:
+        return f"empty file(s) {', '.join(empty)}"
+    for file in sorted(folder.rglob("*.safetensors")):
+        if problem := safetensors_problem(file):
+            return f"{file.relative_to(folder)}: {problem}"
+    return None
+
+
+def safetensors_problem(file: str | os.PathLike) -> str | None:
+    """Why `file` is not a whole `.safetensors` file (the format: an 8-byte little-endian header length, a JSON
+    header, then the tensors at the header's `data_offsets`), or None. Reads the header only."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            return "truncated before its header"
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            return f"truncated inside its header ({size} bytes, header of {length})"
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError:
+            return "unreadable header (not JSON)"
+    ends = [entry["data_offsets"][1] for name, entry in header.items()
+            if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry]
+    if ends and 8 + length + max(ends) > size:
+        return f"truncated: its tensors end at byte {8 + length + max(ends)}, the file has {size}"
+    return None
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The newest complete `checkpoint-N` in `output_dir` (None if there is none); incomplete ones (written by a
-    killed run before checkpoints were staged, or damaged since) and interrupted stagings are skipped with a
-    warning."""
+    """The newest complete `checkpoint-N` in `output_dir` (a run's checkpoint folder: the output folder, or a replacing
+    run's `_hfl3_staging/run`; None if there is none); incomplete ones (written by a killed run before checkpoints
+    were staged, or damaged since) and interrupted stagings are skipped with a warning."""
     output_dir = Path(output_dir)
-    staged = output_dir / STAGING / "checkpoints"
+    staging = output_dir.parent if output_dir.parent.name == STAGING else output_dir / STAGING
+    staged = staging / "checkpoints"
     if staged.is_dir():
         for leftover in sorted(staged.iterdir()):
             logger.warning("skipping %s: interrupted while saving (incomplete, never renamed)", leftover.name)
@@ -90,19 +129,54 @@ def resolve_checkpoint(output_dir: str | os.PathLike, resume_from_checkpoint: st
     return str(resume_from_checkpoint)
 
 
-def prepare_output_dir(args) -> str | None:
-    """Check and resolve where a run writes, before any data or model work. Sets `args.resume_from_checkpoint` to
-    the checkpoint folder to resume from (or None) and returns it. The recipes call it once, while parsing their
-    arguments (so a refusal is an argument error, exit status 2); their `main` gets the resolved checkpoint.
+@dataclass(frozen=True)
+class OutputFolder:
+    """Where a run writes, resolved once before any work (`prepare_output_dir`) and carried into the trainer
+    (`OutputFolderMixin(output_folder=...)`).
 
-    `--resume_from_checkpoint latest` (or `true`) means the newest complete checkpoint of `output_dir`; with none
-    there the run starts from scratch (a warning says so), so a restart loop can always pass it.
+    Attributes:
+        path: the output folder (`--output_dir`); its files are replaced only when the run commits its final folder.
+        run_dir: where the run's checkpoints are written: `path`, or `path/_hfl3_staging/run` when
+            `--overwrite_output_dir` replaces a folder that holds another run's files (the commit moves them in and
+            the old files out; until then the old folder stays whole and loadable).
+        resume_checkpoint: the checkpoint folder this rank resumes from (a copy of rank 0's on a machine that does
+            not see its disk), or None.
+        disks: which ranks do not see global rank 0's `path` (`hfl3.distributed.separate_disks`).
+        created: whether `path` did not exist before this run (a failed run then leaves nothing there).
+    """
+
+    path: Path
+    run_dir: Path
+    resume_checkpoint: str | None = None
+    disks: SeparateDisks = SeparateDisks()
+    created: bool = False
+
+    @property
+    def replacing(self) -> bool:
+        """Whether the run replaces another run's folder when it commits (its checkpoints are staged meanwhile)."""
+        return self.run_dir != self.path
+
+
+def prepare_output_dir(args, refuse: bool = True) -> OutputFolder:
+    """Check and resolve where a run writes, before any data or model work; the recipes call it once, while parsing
+    their arguments (so a refusal is an argument error, exit status 2), and hand the result to the trainer. `args` is
+    not changed: `resume_from_checkpoint` keeps what was asked, the folder resolved is `resume_checkpoint`.
+
+    `--resume_from_checkpoint latest` (or `true`) means the newest complete checkpoint of the run's checkpoint
+    folder (`run_dir`); with none there the run starts from scratch (a warning says so), so a restart loop can always
+    pass it. With `--overwrite_output_dir` and a folder holding another run's files, `run_dir` is the staging area:
+    the same command with `--resume_from_checkpoint latest` continues that replacing run, and the old folder is
+    replaced only when it commits.
 
     Across machines (a collective: every rank calls it): each rank checks its own `output_dir`, and a problem on one
     machine stops every rank with the same line; global rank 0 alone finishes an interrupted commit, resolves the
     checkpoint and checks the folder's content (only it writes outputs); a machine that does not see rank 0's
     checkpoint gets a copy from it through the process group (`hfl3.distributed.checkpoint_on_this_machine`, into
     `output_dir/_hfl3_staging/resume/`, removed when the run finishes).
+
+    Args:
+        refuse: False for a trainer used without a recipe (`OutputFolderMixin.train`): the same resolution, without
+            the checks of a recipe's arguments (a non-empty folder, a push).
 
     Raises:
         FileExistsError: `output_dir` is a file, or holds files and the run neither resumes nor has
@@ -114,11 +188,15 @@ def prepare_output_dir(args) -> str | None:
             (`check_machines`).
     """
     output_dir = Path(args.output_dir)
-    on_all_ranks(lambda: check_output_dir(args))
-    check_machines(args, separate_disks(output_dir / STAGING))
-    resume = from_main(lambda: resolve_resume(args))
-    args.resume_from_checkpoint = checkpoint_on_this_machine(resume, output_dir / STAGING / "resume")
-    return args.resume_from_checkpoint
+    created = not output_dir.exists()
+    if refuse:
+        on_all_ranks(lambda: check_output_dir(args))
+    disks = separate_disks(output_dir / STAGING)
+    if refuse:
+        check_machines(args, disks)
+    run_dir, resume = from_main(lambda: resolve_resume(args, refuse))
+    checkpoint = checkpoint_on_this_machine(resume, output_dir / STAGING / "resume")
+    return OutputFolder(output_dir, Path(run_dir), checkpoint, disks, created)
 
 
 def check_output_dir(args) -> None:
@@ -156,34 +234,41 @@ def check_machines(args, disks: SeparateDisks) -> None:
                          "(accelerate_configs/multi_gpu.yaml)")
 
 
-def resolve_resume(args) -> str | None:
-    """Global rank 0's side of `prepare_output_dir`: finish an interrupted commit, resolve the checkpoint, refuse a
-    non-empty `output_dir` of another run. Returns the checkpoint folder or None."""
+def resolve_resume(args, refuse: bool = True) -> tuple[str, str | None]:
+    """Global rank 0's side of `prepare_output_dir`: finish an interrupted commit, choose the run's checkpoint folder,
+    resolve the checkpoint, refuse (with `refuse`) a non-empty `output_dir` of another run. Returns `(run_dir,
+    checkpoint or None)`."""
     output_dir = Path(args.output_dir)
     final = output_dir / STAGING / "final"
     if args.should_save and (final / COMPLETE).is_file():
         logger.warning("%s: finishing the commit of a final folder interrupted by a kill", output_dir)
         commit_folder(final, output_dir)
+    present = sorted(p.name for p in output_dir.iterdir() if p.name != STAGING) if output_dir.is_dir() else []
+    staged_run = output_dir / STAGING / REPLACING_RUN
+    overwrite = getattr(args, "overwrite_output_dir", False)
+    run_dir = staged_run if overwrite and (present or staged_run.is_dir()) else output_dir
+    if run_dir == output_dir and staged_run.is_dir() and any(staged_run.glob(f"{PREFIX_CHECKPOINT_DIR}-*")):
+        logger.warning("%s holds the checkpoints of an unfinished --overwrite_output_dir run; this run leaves them "
+                       "(the commit at its end removes them): pass --overwrite_output_dir --resume_from_checkpoint "
+                       "latest to continue that run instead", output_dir)
     latest = args.resume_from_checkpoint is True or args.resume_from_checkpoint in LATEST
-    resume = resolve_checkpoint(output_dir, args.resume_from_checkpoint)
+    resume = resolve_checkpoint(run_dir, args.resume_from_checkpoint)
     if latest and resume is None:
         logger.warning("--resume_from_checkpoint latest: no complete checkpoint in %s; starting from scratch",
-                       output_dir)
+                       run_dir)
     elif resume is not None and not latest:
         if not Path(resume).is_dir():
             raise FileNotFoundError(f"--resume_from_checkpoint {resume}: no such folder; expected a checkpoint-N "
                                     "folder, or latest (the newest complete checkpoint in --output_dir)")
         if problem := checkpoint_problem(resume):
-            raise ValueError(f"--resume_from_checkpoint {resume}: incomplete checkpoint ({problem}); pass "
+            raise InputError(f"--resume_from_checkpoint {resume}: incomplete checkpoint ({problem}); pass "
                              "--resume_from_checkpoint latest for the newest complete one")
-    overwrite = getattr(args, "overwrite_output_dir", False)
-    present = sorted(p.name for p in output_dir.iterdir() if p.name != STAGING) if output_dir.is_dir() else []
-    if resume is None and present and not overwrite:
+    if refuse and resume is None and present and not overwrite:
         shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
         raise FileExistsError(
             f"--output_dir {output_dir}: not empty ({shown}); pass --resume_from_checkpoint latest to continue its "
             "run, --overwrite_output_dir to replace it when this run finishes, or another --output_dir")
-    return resume
+    return str(run_dir), resume
 
 
 def check_push_arguments(args) -> None:
@@ -202,27 +287,65 @@ def check_push_arguments(args) -> None:
                          "it, or drop --push_to_hub and upload the output folder later")
 
 
-def commit_folder(staged: str | os.PathLike, folder: str | os.PathLike) -> None:
-    """Move the complete folder `staged` into `folder`, entry by entry, such that `folder` holds weights only when
-    every other file of the new version is in place: the old entries that the new ones replace (and any old weight
-    file) go to `folder/_hfl3_staging/previous` first, weights first; then the new entries move in, weights last.
-    A `.complete` marker in `staged` lets `prepare_output_dir` finish a commit that a kill interrupted. Then the
-    whole staging area (`folder/_hfl3_staging`) is removed."""
+def commit_folder(staged: str | os.PathLike, folder: str | os.PathLike, replace_all: bool = False,
+                  checkpoints_from: str | os.PathLike | None = None) -> None:
+    """Move the complete folder `staged` into `folder`, such that `folder` holds weights only when every other file
+    of the new version is in place, in two phases a kill can interrupt and the next start finishes
+    (`prepare_output_dir`), as the `.complete` marker in `staged` records them:
+
+    1. out: the old entries that the new ones replace (every old entry with `replace_all`, and any old weight file)
+       go to `folder/_hfl3_staging/previous`, weights first;
+    2. in: the new entries move in, weights last; then, for a run that replaced another run's folder, its
+       checkpoints from `checkpoints_from` (a folder inside `folder`'s staging area), their `trainer_state.json`'s
+       `best_model_checkpoint` pointed at where they land.
+
+    Then the whole staging area (`folder/_hfl3_staging`) is removed. Each phase moves only what is left to move, so
+    finishing it again is safe; nothing of the new version is ever moved out."""
     staged, folder = Path(staged), Path(folder)
-    (staged / COMPLETE).touch()
-    previous = folder / STAGING / "previous"
-    previous.mkdir(parents=True, exist_ok=True)
+    marker = staged / COMPLETE
+    journal = {}
+    if marker.is_file():  # finishing an interrupted commit: as it was started
+        with contextlib.suppress(ValueError):
+            journal = json.loads(marker.read_text() or "{}")
+    if not journal:
+        source = Path(checkpoints_from).relative_to(folder).as_posix() if checkpoints_from else None
+        journal = {"replace_all": replace_all, "checkpoints_from": source, "phase": "out"}
+        write_json_atomic(marker, journal)
+    if journal.get("phase", "out") == "out":
+        previous = folder / STAGING / "previous"
+        previous.mkdir(parents=True, exist_ok=True)
+        names = {p.name for p in staged.iterdir() if p.name != COMPLETE}
+        old = [p for p in folder.iterdir() if p.name != STAGING and (journal.get("replace_all") or p.name in names
+                                                                     or _WEIGHTS.match(p.name))]
+        for entry in sorted(old, key=lambda p: not _WEIGHTS.match(p.name)):
+            target = previous / entry.name
+            if target.exists():
+                shutil.rmtree(target) if target.is_dir() else target.unlink()
+            entry.rename(target)
+        journal["phase"] = "in"
+        write_json_atomic(marker, journal)
     incoming = [p for p in staged.iterdir() if p.name != COMPLETE]
-    names = {p.name for p in incoming}
-    old = [p for p in folder.iterdir() if p.name != STAGING and (p.name in names or _WEIGHTS.match(p.name))]
-    for entry in sorted(old, key=lambda p: not _WEIGHTS.match(p.name)):
-        target = previous / entry.name
-        if target.exists():
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        entry.rename(target)
     for entry in sorted(incoming, key=lambda p: bool(_WEIGHTS.match(p.name))):
         entry.rename(folder / entry.name)
+    if journal.get("checkpoints_from"):
+        run_dir = folder / journal["checkpoints_from"]
+        for checkpoint in sorted(run_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*")) if run_dir.is_dir() else []:
+            if CHECKPOINT_FOLDER.match(checkpoint.name):
+                _repoint_best_checkpoint(checkpoint, run_dir, folder)
+                checkpoint.rename(folder / checkpoint.name)
     shutil.rmtree(folder / STAGING)  # the run is over: its staged checkpoints and work files go too
+
+
+def _repoint_best_checkpoint(checkpoint: Path, run_dir: Path, folder: Path) -> None:
+    """`best_model_checkpoint` in `checkpoint/trainer_state.json`, when it names a checkpoint of `run_dir`, renamed
+    to that checkpoint's place in `folder` (where the commit moves it)."""
+    state = checkpoint / "trainer_state.json"
+    with contextlib.suppress(OSError, ValueError):
+        values = json.loads(state.read_text())
+        best = values.get("best_model_checkpoint")
+        if best and Path(best).parent == run_dir:
+            values["best_model_checkpoint"] = str(folder / Path(best).name)
+            write_json_atomic(state, values)
 
 
 def base_model_hub_id(name_or_path: str, given: str | None = None) -> str | None:

@@ -1,5 +1,5 @@
 """Pretraining L3GPT with the HF Trainer: `PretrainConfig`, the packed-row collator, bits-per-byte evaluation and
-`L3GPTTrainer` (optimizer and LR-schedule hooks, and the streamed training data's DataLoader and checkpointed state)."""
+`PretrainTrainer` (optimizer and LR-schedule hooks, and the streamed training data's DataLoader and checkpointed state)."""
 
 import hashlib
 import logging
@@ -16,40 +16,33 @@ from hfl3 import fp8
 from hfl3.callbacks import BeforeLogSaveEvaluate, ThroughputCallback
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DATA_STATE_KEY, PackedStream, StreamBatch, StreamProgress, stream_dataloader
-from hfl3.optim.settings import GroupLearningRates
+from hfl3.evaluate.callback import CoreMetricCallback, check_core_arguments
+from hfl3.trainers.arguments import check_training_arguments
 from hfl3.trainers.compute_optimal import derive_gradient_accumulation_steps
-from hfl3.evaluate.callback import check_core_arguments
-from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
+from hfl3.trainers.guards import NonFiniteGuard
 from hfl3.trainers.launch import set_up_cpu_process_group
-from hfl3.trainers.output_mixins import L3GPTOutputs
+from hfl3.trainers.optimizers import MuonTrainingArguments, OptimizerMixin
+from hfl3.trainers.output_mixins import PretrainOutputs
 
 logger = logging.getLogger(__name__)
 
 
-MUON = "muon"
-"""`--optim muon`: hfl3's spelling of `use_muon=True` (not one of transformers' `OptimizerNames`)."""
-
-
 @dataclass
-class PretrainConfig(GroupLearningRates, TrainingArguments):
+class PretrainConfig(MuonTrainingArguments, TrainingArguments):
     """`TrainingArguments` for pretraining, with nanochat's choices.
 
     `use_muon` (spelled `--optim muon` too) trains with `hfl3.optim.MuonAdamW` and nanochat's parameter groups
     (`hfl3.optim.groups`), whose learning rates are the fields inherited from `hfl3.optim.GroupLearningRates`
     (`matrix_lr`, `embedding_lr`, `unembedding_lr`, `scalar_lr`, `l3_table_lr`, `value_embedding_lr`, `smear_lr`:
-    defaults, meaning and source declared there once; `learning_rate` is then not used). transformers 5.23 has no
-    way to register an optimizer name: `TrainingArguments.__post_init__` converts `optim` to its closed enum
-    `OptimizerNames` (unknown names raise), and the Trainer builds only those (`get_optimizer_cls_and_kwargs`, a
-    private table); an optimizer of one's own reaches the Trainer through its public `optimizers` /
-    `optimizer_cls_and_kwargs` arguments or a `create_optimizer` override, which is `L3GPTTrainer`'s. So "muon" is
-    taken out of `optim` before transformers validates it: `optim="muon"` becomes `use_muon=True` with `optim`
-    "adamw_torch", what runs MuonAdamW's AdamW groups (torch's AdamW), and `to_dict()` records both. Give
-    `PretrainConfig(use_muon=True)` to `L3GPTTrainer` (or build the optimizer with `create_muon_optimizer`): a plain
-    `Trainer` reads `optim` only. Any other `optim` is the Trainer's own optimizer, with weight decay on >= 2-D
-    weights only (`L3GPTTrainer.get_decay_parameter_names`).
+    defaults, meaning and source declared there once; `learning_rate` is then not used); these fields and the
+    warmdown are `hfl3.trainers.optimizers.MuonTrainingArguments`', shared with `ChatSFTConfig`, which says how
+    "muon" reaches the Trainer. Give `PretrainConfig(use_muon=True)` to `PretrainTrainer` (or build the optimizer
+    with `create_muon_optimizer`): a plain `Trainer` reads `optim` only. Any other `optim` is the Trainer's own
+    optimizer, with weight decay on >= 2-D weights only (`PretrainTrainer.get_decay_parameter_names`).
 
     Added fields: `max_length` (packed row length, as TRL spells it; also the model's `max_position_embeddings`),
     `use_muon` and the Muon group LRs, `warmdown_ratio`, `final_lr_frac`, `attend_across_documents`, `fp8`,
+    `save_optimizer` (the optimizer state with the final model, as nanochat keeps it for its chat SFT),
     `overwrite_output_dir` (absent from transformers 5), and nanochat's compute-optimal dial
     `target_param_data_ratio`, `target_flops`, `total_batch_size`, and the CORE metric's `core_metric_every`
     (-1: off; nanochat's default is 2000, but its bundle is a download), `core_metric_max_per_task` (500) and
@@ -68,8 +61,8 @@ class PretrainConfig(GroupLearningRates, TrainingArguments):
     Defaults that differ from `TrainingArguments`: `optim="adamw_torch"`, `lr_scheduler_type="warmup_stable_decay"`
     (nanochat: warmup → constant → linear warmdown over the last `warmdown_ratio` of the steps to `final_lr_frac` ×
     LR), `learning_rate=3e-3`, `weight_decay=0.0`, `adam_beta2=0.95`, `max_grad_norm=1.0`, `eval_strategy="steps"`,
-    `logging_steps=10`, `save_strategy="no"`, `remove_unused_columns=False`,
-    `include_num_input_tokens_seen=True` ("all", counted without a per-step device sync by `L3GPTTrainer`),
+    `logging_steps=10`, `save_strategy` "no" unless `save_steps` is given, `remove_unused_columns=False`,
+    `include_num_input_tokens_seen=True` ("all", counted without a per-step device sync by `PretrainTrainer`),
     `logging_nan_inf_filter=False` (transformers' filter syncs the device every step and logs a non-finite loss as
     the running mean, hiding a divergence), `ignore_data_skip=True` (a streamed dataset resumes from the state saved
     in the checkpoint, not by skipping batches), `save_safetensors` always (transformers v5).
@@ -83,17 +76,15 @@ class PretrainConfig(GroupLearningRates, TrainingArguments):
                                                          "max_position_embeddings)"})
     optim: str = field(default="adamw_torch", metadata={"help": "one of transformers' OptimizerNames, or muon: "
                                                         "--use_muon true"})
-    use_muon: bool = field(default=False, metadata={"help": "train with hfl3's MuonAdamW (Muon for the hidden "
-                                                    "matrices, AdamW for the rest; group LRs *_lr) instead of the "
-                                                    "Trainer's optimizer"})
-    warmdown_ratio: float = field(default=0.2, metadata={"help": "share of steps in the final linear warmdown"})
-    final_lr_frac: float = field(default=0.0, metadata={"help": "LR at the end of the warmdown, as a fraction"})
     attend_across_documents: bool = field(
         default=False,
         metadata={"help": "let packed documents attend to each other (nanochat); default: block-causal via "
                   "position_ids"},
     )
     fp8: str | None = field(default=None, metadata={"help": "tensorwise or rowwise: hfl3.fp8 Float8Linear"})
+    save_optimizer: bool = field(default=True, metadata={"help": "write the optimizer state (optimizer.safetensors) "
+                                                         "with the final model, for SFT's --load_optimizer (not "
+                                                         "pushed to the Hub)"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "replace a non-empty output_dir's files "
                                                                 "when this run finishes"})
     target_param_data_ratio: float | None = field(
@@ -106,8 +97,6 @@ class PretrainConfig(GroupLearningRates, TrainingArguments):
         default=None, metadata={"help": "tokens per optimizer step, -1 = nanochat's auto rule; sets "
                                 "gradient_accumulation_steps and scales LRs and weight decay (None: -1 unless "
                                 "max_steps is given, then per-device batch x max_length x world x accumulation)"})
-    batch_lr_scale: float = field(default=1.0, init=False, metadata={
-        "help": "√(total_batch_size / 2^19), set by apply_compute_optimal_plan; multiplies every group's LR"})
     # The CORE metric during training (nanochat base_train.py --core-metric-every / --core-metric-max-per-task;
     # hfl3.evaluate): off by default, since its bundle is a download
     core_metric_every: int = field(default=-1, metadata={"help": "CORE metric every N optimizer steps and at the end "
@@ -122,9 +111,14 @@ class PretrainConfig(GroupLearningRates, TrainingArguments):
     weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay on >=2-D weights (λ_ref, "
                                                         "rescaled when the compute-optimal dial sizes the run)"})
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
-    eval_strategy: str = field(default="steps", metadata={"help": "see TrainingArguments"})
+    eval_strategy: str = field(default="steps", metadata={"help": "see TrainingArguments; no: no evaluation at all"})
+    eval_on_start: bool | None = field(default=None, metadata={"help": "evaluate at step 0, inside train() (default: "
+                                                               "when evaluating, unless resuming)"})
     logging_steps: float = field(default=10, metadata={"help": "see TrainingArguments"})
-    save_strategy: str = field(default="no", metadata={"help": "see TrainingArguments"})
+    save_strategy: str | None = field(default=None, metadata={"help": "see TrainingArguments (default: steps when "
+                                                              "--save_steps is given, else no)"})
+    save_steps: float | None = field(default=None, metadata={"help": "save every N steps (given alone: "
+                                                             "--save_strategy steps); default 500"})
     remove_unused_columns: bool = field(default=False, metadata={"help": "see TrainingArguments"})
     include_num_input_tokens_seen: str | bool = field(default=True, metadata={"help": "see TrainingArguments"})
     logging_nan_inf_filter: bool = field(default=False, metadata={"help": "see TrainingArguments"})
@@ -135,10 +129,13 @@ class PretrainConfig(GroupLearningRates, TrainingArguments):
         check_training_arguments(self)  # a zero/negative learning rate or max_steps 0 trains nothing
         check_core_arguments(self)
         set_up_cpu_process_group(self)  # --ddp_timeout acts with --use_cpu too
+        self.take_muon_out_of_optim()
+        if self.save_strategy is None:  # a step count given alone saves by steps, as the Trainer's default does
+            self.save_strategy = "no" if self.save_steps is None else "steps"
+        if self.save_steps is None:
+            self.save_steps = 500  # transformers' default
         if self.fp8 not in (None, "tensorwise", "rowwise"):
             raise ValueError(f"fp8={self.fp8!r}; expected tensorwise, rowwise or unset")
-        if not 0 <= self.warmdown_ratio <= 1:
-            raise ValueError(f"warmdown_ratio={self.warmdown_ratio} must be in [0, 1]")
         if self.auto_find_batch_size:
             # Halving the batch after an out-of-memory error would change the total batch the run was planned with
             # and restart the data stream from a state that no longer matches what was trained
@@ -156,11 +153,6 @@ class PretrainConfig(GroupLearningRates, TrainingArguments):
                 "fp8=%s without torch_compile: the per-tensor scaling runs as separate eager kernels and the step is "
                 "slower than bf16 (0.65x bf16 on an H100 at d12 and d20, dev/LOG.md 2026-11-23); add "
                 "--torch_compile true", self.fp8)
-        if self.optim == MUON:
-            self.use_muon, self.optim = True, "adamw_torch"
-        elif self.use_muon and self.optim != "adamw_torch":
-            raise ValueError(f"use_muon=True with optim={self.optim}: MuonAdamW replaces the Trainer's optimizer (its "
-                             "AdamW groups run torch's AdamW, optim adamw_torch); drop --optim or --use_muon")
         super().__post_init__()
         if self.total_batch_size is not None and self.total_batch_size > 0:  # the auto batch is checked when planned
             derive_gradient_accumulation_steps(self.total_batch_size, self.per_device_train_batch_size,
@@ -169,7 +161,7 @@ class PretrainConfig(GroupLearningRates, TrainingArguments):
     def apply_compute_optimal_plan(self, plan) -> None:
         """Size this run by `plan` (a `hfl3.trainers.compute_optimal.ComputeOptimalPlan` computed from these
         arguments): `max_steps`, `gradient_accumulation_steps`, `weight_decay` (λ, replacing λ_ref) and
-        `batch_lr_scale` (which `L3GPTTrainer.create_optimizer` applies). Call it once, before the Trainer is built
+        `batch_lr_scale` (which `PretrainTrainer.create_optimizer` applies). Call it once, before the Trainer is built
         (the Trainer's accelerator reads the accumulation); a DeepSpeed config given with `--deepspeed` has its
         "auto" values filled again, as the Trainer does after a hyperparameter search.
 
@@ -197,7 +189,7 @@ class PackedCollator:
     masks keep packed documents apart (block-causal attention).
 
     Also takes a `StreamBatch` (`hfl3.data.streaming`, the streamed training data): its rows, and its worker's
-    stream state under `data_state`, which `L3GPTTrainer` takes out of the batch before the model sees it."""
+    stream state under `data_state`, which `PretrainTrainer` takes out of the batch before the model sees it."""
 
     def __init__(self, bos_token_id: int, attend_across_documents: bool = False):
         self.bos_token_id = bos_token_id
@@ -254,7 +246,7 @@ class BitsPerByte:
         return {"bpb": float(nats[counted].sum() / (math.log(2) * max(total_bytes, 1)))}
 
 
-class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard first: it checks before a save
+class PretrainTrainer(NonFiniteGuard, OptimizerMixin, PretrainOutputs, Trainer):  # NonFiniteGuard first: it checks before a save
     """HF Trainer for pretraining. Overrides the optimizer (one place: `create_optimizer`), the default WSD
     schedule's step counts and the input-token count (no device sync per step); evaluation runs with hfl3 FP8
     layers swapped back to high precision.
@@ -264,7 +256,7 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
     dispatch its batches, or give every rank the whole stream); each consumed batch updates `data_progress` (worker
     states, chained sha256 of the rows), which every checkpoint saves (`data_state_rank{R}.safetensors`) and
     `train(resume_from_checkpoint=...)` restores, so a resumed run consumes exactly the rows an uninterrupted run
-    would have. Output folders and checkpoints as `hfl3.trainers.output_mixins.L3GPTOutputs` makes them (staged,
+    would have. Output folders and checkpoints as `hfl3.trainers.output_mixins.PretrainOutputs` makes them (staged,
     renamed when complete with every rank's state, resume from `latest`, provenance on every save).
 
     Private Trainer hook: `_track_num_input_tokens` (see its docstring; signature pinned by
@@ -284,11 +276,6 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
         if isinstance(self.train_dataset, PackedStream) and not self.args.ignore_data_skip:
             raise ValueError("a streamed train_dataset resumes from the state saved in the checkpoint: set "
                              "ignore_data_skip=True (PretrainConfig's default); skipping batches would re-read it")
-        if getattr(self.args, "use_muon", False):
-            from hfl3.optim import refuse_unsupported_sharding
-
-            # Here, not in create_optimizer: a DeepSpeed config with its own optimizer section skips that.
-            refuse_unsupported_sharding(self.args)
 
     def get_train_dataloader(self):
         """With a streamed `train_dataset`: a plain DataLoader over it (`stream_dataloader`), starting where the
@@ -336,41 +323,9 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
                 "held_out_documents": sum(r["held_out_documents"] for r in ranks),
                 "duplicate_documents": sum(r["duplicate_documents"] for r in ranks)}
 
-    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        self._num_training_steps = num_training_steps
-        super().create_optimizer_and_scheduler(num_training_steps)
-
-    def create_optimizer(self, model=None):
-        """`use_muon`: `hfl3.optim.muon_optimizer` with the config's group LRs; otherwise the Trainer's own
-        optimizer (`--optim`), weight decay on >= 2-D weights only. Every group's LR is multiplied by
-        `args.batch_lr_scale` (the compute-optimal dial's √(B/2^19); Muon: but the smear group's, as nanochat)."""
-        if self.optimizer is not None:
-            return super().create_optimizer(model)
-        if not getattr(self.args, "use_muon", False):
-            super().create_optimizer(model)
-            for group in self.optimizer.param_groups:  # before create_scheduler records the groups' initial_lr
-                group["lr"] *= self.args.batch_lr_scale
-            return self.optimizer
-        from hfl3.optim import muon_optimizer  # the setup was refused in __init__ if Muon cannot run under it
-
-        self.optimizer = muon_optimizer(model or self.model, self.args, batch_lr_scale=self.args.batch_lr_scale,
-                                        num_training_steps=getattr(self, "_num_training_steps", None))
-        return self.optimizer
-
     def get_decay_parameter_names(self, model) -> list[str]:
         """The >= 2-D weights (norm-free model: the 1-D parameters are the per-layer scalars, not decayed)."""
         return [name for name, parameter in model.named_parameters() if parameter.ndim >= 2]
-
-    def create_scheduler(self, num_training_steps: int, optimizer=None):
-        """For `warmup_stable_decay`, derive `num_decay_steps` from `warmdown_ratio` and `min_lr_ratio` from
-        `final_lr_frac` unless `lr_scheduler_kwargs` sets them (linear decay, as nanochat)."""
-        if self.args.lr_scheduler_type == "warmup_stable_decay":
-            kwargs = dict(self.args.lr_scheduler_kwargs or {})
-            kwargs.setdefault("num_decay_steps", round(self.args.warmdown_ratio * num_training_steps))
-            kwargs.setdefault("min_lr_ratio", self.args.final_lr_frac)
-            kwargs.setdefault("decay_type", "linear")
-            self.args.lr_scheduler_kwargs = kwargs
-        return super().create_scheduler(num_training_steps, optimizer)
 
     def _track_num_input_tokens(self, inputs):
         """Count input tokens on the host (`numel` is metadata: no device sync). transformers 5.23 gathers the count
@@ -401,3 +356,14 @@ class L3GPTTrainer(NonFiniteGuard, L3GPTOutputs, Trainer):  # NonFiniteGuard fir
     def evaluate(self, *args, **kwargs):
         with fp8.float8_disabled(self.model):
             return super().evaluate(*args, **kwargs)
+
+    @property
+    def core_metric(self) -> CoreMetricCallback | None:
+        """The CORE metric's callback (`--core_metric_every`), or None."""
+        return next((c for c in self.callback_handler.callbacks if isinstance(c, CoreMetricCallback)), None)
+
+    def run_results(self) -> dict:
+        """What `hfl3.trainers.training.train_and_evaluate` adds to the results: the CORE metric of the final model,
+        when it was evaluated."""
+        core = self.core_metric
+        return core.latest.metrics() if core is not None and core.latest is not None else {}

@@ -1,8 +1,8 @@
-"""LoRA SFT on chat data: `SFTLoRAConfig(SFTConfig)`, `HFL3SFTTrainer(SFTTrainer)`, the tokenizer
-(`load_sft_tokenizer`), the run's results (`train_and_evaluate`) and the extra outputs (`save_samples`,
-`save_merged_model`); the output folder (staging, provenance, card, loss plot, push) is
-`hfl3.trainers.output_mixins`'. `recipes/sft_lora.py` loads the model and data and runs them."""
+"""SFT on chat data: `ChatSFTConfig(SFTConfig)`, `ChatSFTTrainer(SFTTrainer)` and the extra outputs (`save_samples`,
+`save_merged_model`); the output folder (staging, provenance, card, loss plot, push) is `hfl3.trainers.output_mixins`'.
+`hfl3.trainers.sft_builder` builds a run (tokenizer, data, base model, trainer) for `recipes/sft_lora.py`."""
 
+import copy
 import logging
 import math
 import os
@@ -11,17 +11,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 from transformers.trainer_utils import IntervalStrategy
 from trl import SFTConfig, SFTTrainer
 
 import hfl3  # noqa: F401  (registers L3GPT with the Auto classes)
 from hfl3.atomic import write_json_atomic
 from hfl3.generation import answer_prompts
-from hfl3.provenance import stamp_folder
-from hfl3.trainers.guards import NonFiniteGuard, check_training_arguments
+from hfl3.provenance import base_lineage, stamp_folder
+from hfl3.trainers.arguments import check_training_arguments
+from hfl3.trainers.base_model import merge_adapter
 from hfl3.trainers.cards import sft_model_card, usage_name
+from hfl3.trainers.guards import NonFiniteGuard
 from hfl3.trainers.launch import set_up_cpu_process_group
+from hfl3.trainers.optimizers import MuonTrainingArguments, OptimizerMixin
 from hfl3.trainers.output_mixins import SFTOutputs
 from hfl3.trainers.supervised_nll import LOGIT_SCALE_FIELDS, add_supervised_nll
 
@@ -29,23 +31,35 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class SFTLoRAConfig(SFTConfig):
-    """`SFTConfig` with defaults for LoRA SFT that also run on a CPU.
+class ChatSFTConfig(MuonTrainingArguments, SFTConfig):
+    """`SFTConfig` with defaults for SFT that also run on a CPU, LoRA (`--use_peft`, the default) or every weight
+    (`--use_peft false`), with the Trainer's optimizers or MuonAdamW (`--optim muon`: the fields and groups of
+    pretraining, `hfl3.trainers.optimizers.MuonTrainingArguments`, with nanochat chat SFT's schedule).
 
     Defaults that differ from `SFTConfig`:
-        learning_rate: 2e-4 (LoRA adapters, not full fine-tuning).
+        assistant_only_loss: True (TRL: False): the loss is on the assistant replies, masked from the model's own
+            template by hfl3 (`hfl3.data.masks`; TRL needs `{% generation %}` markers); False trains the whole
+            sequence, as TRL does. `completion_only_loss` (TRL's None: on) acts on prompt-completion records.
+        learning_rate: 2e-4 for LoRA adapters; full fine-tuning (`--use_peft false`) takes TRL's 2e-5 unless it is
+            given (decided with the model arguments, `hfl3.trainers.arguments.check_sft_inputs`). Not used by Muon.
+        lr_scheduler_type: None -> "linear" (TRL's), or with Muon "warmup_stable_decay": warmup (`warmup_steps`,
+            none by default) → constant → linear warmdown over the last `warmdown_ratio` (0.5) of the steps to
+            `final_lr_frac` (0), starting at `init_lr_frac` (0.8) × the group LRs (karpathy/nanochat 92d63d4,
+            scripts/chat_sft.py).
         activation_checkpointing (alias gradient_checkpointing): off (TRL: on; it costs ~30% time and small models
             do not need it).
         bf16: None -> True only on a CUDA GPU that supports it (TRL: True even on CPU).
         eval_strategy: None -> "epoch"; the recipe turns evaluation off when it has no evaluation data and
             `eval_strategy` was not given (`evaluate_by_default`, one log line says so).
-        save_strategy: None -> `eval_strategy` ("epoch" when that is "no"); with "steps", `save_steps` follows
-            `eval_steps` (a checkpoint at every evaluation, as `load_best_model_at_end` needs).
-        load_best_model_at_end: None -> True when evaluating; metric_for_best_model: "eval_loss".
+        save_strategy: None -> "steps" when `save_steps` is given (transformers' and TRL's default strategy), else
+            `eval_strategy` ("epoch" when that is "no"); with "steps", `save_steps` follows `eval_steps` unless given
+            (a checkpoint at every evaluation, as `load_best_model_at_end` needs).
+        load_best_model_at_end: None -> True when evaluating and the checkpoints follow the evaluations (a
+            `save_steps` given alone against epoch evaluations: False); metric_for_best_model: "eval_loss".
         save_total_limit: 2 (the best and the latest checkpoint survive).
         eval_on_start: None -> True when there is evaluation data and the run does not resume
-            (`hfl3.trainers.inputs.check_sft_arguments`); the recipe reports that step-0 evaluation as
-            `eval_before_*`. It runs inside `train()`: an evaluate() before train() would prepare the model for
+            (`hfl3.trainers.arguments.decide_evaluation`); reported as `eval_before_*`
+            (`hfl3.trainers.training.train_and_evaluate`). It runs inside `train()`: an evaluate() before train() would prepare the model for
             inference only (no DDP wrapper, a ZeRO inference engine).
         dataset_kwargs: None -> `{"skip_prepare_dataset": True}` unless packing: the rows come tokenized, masked and
             truncated to `max_length` (`hfl3.data.sft.load_sft_data`), and TRL's preparation would only copy them
@@ -53,11 +67,34 @@ class SFTLoRAConfig(SFTConfig):
     Added:
         early_stopping_patience: stop when `eval_loss` has not improved this many evaluations in a row.
         early_stopping_threshold: minimum improvement that counts.
+        init_lr_frac: with Muon, the LRs start at this fraction of the group LRs (nanochat chat SFT: 0.8).
+        load_optimizer: with Muon or AdamW over every weight, warm-start the optimizer from the base's
+            `optimizer.safetensors` (nanochat chat SFT's `--load-optimizer`); None: when the base folder has the
+            state of this run's optimizer.
+        use_muon, the Muon group LRs (`matrix_lr`, ...), `warmdown_ratio` (here 0.5), `final_lr_frac`: as
+            pretraining's, and inherited from a base that `recipes/pretrain.py` wrote unless given.
     """
 
-    _argument_group_name = "training (SFTLoRAConfig: trl.SFTConfig with hfl3's defaults; early_stopping_* last)"
+    _argument_group_name = "training (ChatSFTConfig: trl.SFTConfig with hfl3's defaults; early_stopping_* last)"
 
-    learning_rate: float = field(default=2e-4, metadata={"help": "Initial AdamW learning rate."})
+    learning_rate: float = field(default=2e-4, metadata={"help": "Initial AdamW learning rate (LoRA: 2e-4; full "
+                                                                "fine-tuning: 2e-5 unless given; Muon: not used)."})
+    assistant_only_loss: bool = field(default=True, metadata={
+        "help": "Loss on the assistant replies the model's chat template renders (hfl3's masks; default: on); false: "
+                "on the whole sequence, as TRL's default."})
+    optim: str = field(default="adamw_torch", metadata={"help": "One of transformers' OptimizerNames, or muon "
+                                                        "(MuonAdamW over every weight: --use_peft false)."})
+    lr_scheduler_type: str | None = field(default=None, metadata={
+        "help": "LR schedule (default: linear; with --optim muon: warmup_stable_decay, nanochat chat SFT's)."})
+    warmdown_ratio: float = field(default=0.5, metadata={"help": "Share of steps in the final linear warmdown "
+                                                         "(warmup_stable_decay; nanochat chat SFT: 0.5)."})
+    init_lr_frac: float = field(default=0.8, metadata={"help": "With --optim muon: the LRs start at this fraction "
+                                                       "of the group LRs (nanochat chat SFT)."})
+    load_optimizer: bool | None = field(default=None, metadata={
+        "help": "Warm-start the optimizer from the base's optimizer.safetensors (a recipes/pretrain.py output); "
+                "default: when it holds this run's optimizer's state."})
+    save_steps: float | None = field(default=None, metadata={
+        "help": "Save every N steps (given alone: --save_strategy steps); default: at every evaluation, else 500."})
     gradient_checkpointing: bool | None = field(
         default=None, metadata={"help": "Deprecated alias of activation_checkpointing (off unless set)."}
     )
@@ -87,31 +124,40 @@ class SFTLoRAConfig(SFTConfig):
     )
 
     def __post_init__(self):
+        self.take_muon_out_of_optim()
         check_training_arguments(self)  # a zero/negative learning rate or max_steps 0 trains nothing
         set_up_cpu_process_group(self)  # --ddp_timeout acts with --use_cpu too
+        if self.lr_scheduler_type is None:
+            self.lr_scheduler_type = "warmup_stable_decay" if self.use_muon else "linear"
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         self.evaluate_by_default = self.eval_strategy is None and not self.load_best_model_at_end
         if self.eval_strategy is None:
             self.eval_strategy = "epoch"
         evaluating = IntervalStrategy(self.eval_strategy) != IntervalStrategy.NO
+        steps_evaluation = IntervalStrategy(self.eval_strategy) == IntervalStrategy.STEPS
         if self.save_strategy is None:
-            self.save_strategy = self.eval_strategy if evaluating else "epoch"
-            if IntervalStrategy(self.eval_strategy) == IntervalStrategy.STEPS:
-                self.save_steps = self.eval_steps or self.logging_steps
+            if self.save_steps is not None:  # a step count given alone saves by steps, as the Trainer's default does
+                self.save_strategy = "steps"
+                if self.load_best_model_at_end is None and evaluating and not steps_evaluation:
+                    logger.info("--save_steps %g with epoch evaluations: no best-model selection (it needs a "
+                                "checkpoint at every evaluation; add --eval_strategy steps --eval_steps %g)",
+                                self.save_steps, self.save_steps)
+                    self.load_best_model_at_end = False
+            else:
+                self.save_strategy = self.eval_strategy if evaluating else "epoch"
+                if steps_evaluation:
+                    self.save_steps = self.eval_steps or self.logging_steps
+        if self.save_steps is None:
+            self.save_steps = 500  # transformers' default
         if self.load_best_model_at_end is None:
             self.load_best_model_at_end = evaluating
         if self.dataset_kwargs is None and not self.packing and not self.eval_packing:
             self.dataset_kwargs = {"skip_prepare_dataset": True}
         super().__post_init__()
 
-    def without_evaluation(self) -> None:
-        """Turn evaluation off (no evaluation data): no eval_strategy, best-model loading or step-0 evaluation."""
-        self.eval_strategy, self.do_eval = IntervalStrategy.NO, False
-        self.load_best_model_at_end = self.eval_on_start = self.evaluate_by_default = False
 
-
-class HFL3SFTTrainer(NonFiniteGuard, SFTOutputs, SFTTrainer):  # NonFiniteGuard first: it checks before a save
+class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  # NonFiniteGuard first: it checks before a save
     """TRL's `SFTTrainer` for pre-tokenized, pre-masked rows, with provenance on every save.
 
     Differences from `SFTTrainer`:
@@ -131,7 +177,9 @@ class HFL3SFTTrainer(NonFiniteGuard, SFTOutputs, SFTTrainer):  # NonFiniteGuard 
 
     Args:
         provenance: metadata to attach to every saved artifact; may be replaced before the final `save_model`.
-        **kwargs: as for `SFTTrainer`.
+        train_supervised_tokens: the supervised tokens of one epoch of `train_dataset` (`SFTData`), for the results'
+            `train_supervised_tokens` and their rate (`run_results`).
+        **kwargs: as for `SFTTrainer` (and `output_folder`: `OutputFolderMixin`'s).
 
     Raises:
         ValueError: a train/eval dataset has `input_ids` but no `labels`.
@@ -139,7 +187,17 @@ class HFL3SFTTrainer(NonFiniteGuard, SFTOutputs, SFTTrainer):  # NonFiniteGuard 
 
     _tag_names = ["trl", "sft", "hfl3", "lora"]
 
-    def __init__(self, *args, provenance: dict | None = None, **kwargs):
+    def __init__(self, *args, provenance: dict | None = None, train_supervised_tokens: int | None = None, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None and training_args.assistant_only_loss:
+            # hfl3's rows carry the assistant-only labels already; TRL would refuse the flag with them (it asks for a
+            # conversational dataset and a template with generation markers)
+            training_args = copy.copy(training_args)
+            training_args.assistant_only_loss = False
+            if "args" in kwargs:
+                kwargs["args"] = training_args
+            else:
+                args = (*args[:1], training_args, *args[2:])
         for name in ("train_dataset", "eval_dataset"):
             dataset = kwargs.get(name)
             columns = getattr(dataset, "column_names", None) or []
@@ -147,12 +205,24 @@ class HFL3SFTTrainer(NonFiniteGuard, SFTOutputs, SFTTrainer):  # NonFiniteGuard 
                 raise ValueError(f"{name} has input_ids but no labels; build it with hfl3.data.sft.load_sft_data")
         super().__init__(*args, **kwargs)
         self.provenance = provenance
+        self.train_supervised_tokens = train_supervised_tokens
         self._eval_nll_sum = self._eval_token_count = None
         self._compact_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}  # name -> per micro-batch
         self._compact_train_tokens = 0
         self.compact_loss = self._compact_loss_applies()
         if self.compact_loss:
             add_supervised_nll(self._base_model(), owner=self.model)
+
+    def run_results(self) -> dict:
+        """What `hfl3.trainers.training.train_and_evaluate` adds to the results: `train_supervised_tokens` (those of
+        one epoch times the epochs trained) and their rate over `train_runtime` (which includes the evaluations and
+        checkpoint saves made during training), when the epoch's count is known."""
+        if self.train_supervised_tokens is None:
+            return {}
+        tokens = int(self.train_supervised_tokens * (self.state.epoch or 0.0))
+        runtime = next((e["train_runtime"] for e in reversed(self.state.log_history) if "train_runtime" in e), None)
+        return {"train_supervised_tokens": tokens,
+                "train_supervised_tokens_per_second": tokens / runtime if runtime else None}
 
     def _base_model(self):
         model = self.accelerator.unwrap_model(self.model)
@@ -239,64 +309,25 @@ class HFL3SFTTrainer(NonFiniteGuard, SFTOutputs, SFTTrainer):  # NonFiniteGuard 
         return output
 
 
-def save_merged_model(trainer: HFL3SFTTrainer, folder: str | os.PathLike, metadata: dict) -> Path | None:
+def save_merged_model(trainer: ChatSFTTrainer, folder: str | os.PathLike, metadata: dict) -> Path | None:
     """Merge the LoRA weights into the base model (`merge_and_unload`, in place: call last) and save a full model
     loadable with `AutoModelForCausalLM.from_pretrained` (L3GPT: after `import hfl3`), with tokenizer and
     provenance; on the main process (the others return None), which logs where."""
     if not trainer.is_world_process_zero():
         return None
     folder = Path(folder)
-    merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
+    merged = merge_adapter(trainer.accelerator.unwrap_model(trainer.model))  # a quantized base: dequantized first
     merged.save_pretrained(folder)
     trainer.processing_class.save_pretrained(folder)
-    merged_metadata = {**metadata, "merged": True}
+    # the adapter folder (staged, stamped) is the merged model's base: its link names where it will be committed
+    merged_metadata = {**metadata, "merged": True,
+                       "lineage": base_lineage(folder.parent, name=trainer.final_output_dir)}
     stamp_folder(folder, merged_metadata, sft_model_card(merged_metadata, usage_name(trainer, folder), adapter=False))
     logger.info("merged model written to %s", Path(trainer.final_output_dir) / folder.name)
     return folder
 
 
-def load_sft_tokenizer(model_args, training_args):
-    """The tokenizer of `model_args` (`tokenizer_name_or_path`, else the model's, or its GGUF file's), with
-    `training_args.chat_template_path` (a `.jinja` file) applied before masking and cleared so that TRL does not apply
-    it again (TRL's tokenizer-folder form would add tokens after the data were tokenized)."""
-    gguf = {"gguf_file": model_args.gguf_file} if model_args.gguf_file and not model_args.tokenizer_name_or_path else {}
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name_or_path or model_args.model_name_or_path,
-                                              trust_remote_code=training_args.trust_remote_code, **gguf)
-    if training_args.chat_template_path:
-        template = Path(training_args.chat_template_path)
-        tokenizer.chat_template, training_args.chat_template_path = template.read_text(encoding="utf-8"), None
-    return tokenizer
-
-
-def train_and_evaluate(trainer: HFL3SFTTrainer, train_supervised_tokens: int) -> dict:
-    """Train (resuming when asked), evaluate when there is evaluation data, and return the run's results: the step-0
-    evaluation as `eval_before_*`, the Trainer's training metrics, the final evaluation's, `train_supervised_tokens`
-    (those of one epoch, `train_supervised_tokens`, times the epochs trained) and their rate over `train_runtime`
-    (which includes the evaluations and checkpoint saves made during training), `global_step` and
-    `best_model_checkpoint`. The losses, perplexity and rate are logged (local main process)."""
-    train_result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
-    results = {**eval_before(trainer.state.log_history), **train_result.metrics}
-    if trainer.eval_dataset is not None:
-        results.update(trainer.evaluate())
-    results["train_supervised_tokens"] = int(train_supervised_tokens * (trainer.state.epoch or 0.0))
-    results["train_supervised_tokens_per_second"] = results["train_supervised_tokens"] / results["train_runtime"]
-    results["global_step"] = trainer.state.global_step
-    results["best_model_checkpoint"] = trainer.state.best_model_checkpoint
-    for key in ("eval_before_loss", "eval_loss", "eval_perplexity", "train_supervised_tokens_per_second"):
-        if isinstance(results.get(key), float) and math.isfinite(results[key]) and trainer.is_local_process_zero():
-            logger.info("%s = %.4f", key, results[key])
-    return results
-
-
-def eval_before(log_history: list[dict]) -> dict:
-    """The step-0 evaluation (`eval_on_start`) renamed `eval_before_*`; empty when there was none."""
-    for entry in log_history:
-        if entry.get("step") == 0 and "eval_loss" in entry:
-            return {k.replace("eval_", "eval_before_", 1): v for k, v in entry.items() if k.startswith("eval_")}
-    return {}
-
-
-def save_samples(trainer: HFL3SFTTrainer, prompts: list[str], max_new_tokens: int, end_of_turn: str | None) -> None:
+def save_samples(trainer: ChatSFTTrainer, prompts: list[str], max_new_tokens: int, end_of_turn: str | None) -> None:
     """`samples.json` in `args.output_dir` (the staged folder inside `finish_output`): the trained model's greedy
     answers to `prompts` (`hfl3.generation.answer_prompts`), written and logged by the main process."""
     if not trainer.is_world_process_zero():

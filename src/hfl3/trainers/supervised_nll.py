@@ -1,6 +1,6 @@
 """A loss for causal LMs scored only at the supervised positions: `add_supervised_nll` patches a model's forward so
 that it returns the summed next-token NLL of the positions whose label is not -100 (chunked linear + cross-entropy),
-without building `(batch, seq, vocab)` logits. `HFL3SFTTrainer` uses it off CUDA/XPU."""
+without building `(batch, seq, vocab)` logits. `ChatSFTTrainer` uses it off CUDA/XPU."""
 
 import functools
 import types

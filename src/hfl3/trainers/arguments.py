@@ -1,5 +1,18 @@
-"""The paths and names a user types into a recipe, checked before any heavy work: a bad one is reported in one line
-that names the argument, the value and what was expected.
+"""A recipe's arguments: parsed (`RecipeParser`, `parse_recipe_args`: `--config FILE` then the command line, a bad
+argument in one line with exit status 2) and checked once, in one pass, before any heavy work. The checks return what
+they decide (`RunSetup`: the resolved output folder, whether and when the run evaluates); the recipe's builder applies
+it. They never change the arguments they check.
+
+Which check lives where, and why:
+- here, run by the parser on every rank (`check_pretrain_inputs`, `check_sft_inputs`): every path and name given
+  (the output folder, the resume checkpoint, corpora, datasets, models, tokenizers, templates), combinations of
+  arguments, and what a flag cannot do in this recipe;
+- in the argument classes' `__post_init__` (`check_training_arguments` and the classes' own): values that need no
+  other argument, so that a `PretrainConfig` or `ChatSFTConfig` built in Python is refused the same way;
+- first in the recipe's `main` (`hfl3.trainers.launch.check_launch`): the launch as accelerate set it up, which needs
+  the process group;
+- when the Trainer exists (`hfl3.optim.refuse_unsupported_sharding`, `hfl3.fp8.check_ao_backend`): what Muon or
+  accelerate's FP8 backend cannot run under, read from accelerate's state and the model.
 
 How a value is read:
 - a value that exists on disk is local: a file or a folder, which must hold what the argument needs (a model folder
@@ -10,38 +23,38 @@ How a value is read:
 - a Hub id is looked up in the local Hugging Face cache when offline (`HF_HUB_OFFLINE=1`), else on the Hub with a
   `HUB_TIMEOUT_S` timeout and no retry: a mistyped name fails in about a second instead of after the loaders'
   retries (transformers 5.23 waits ~50 s before it reports an unreachable Hub).
-
-Every check of a recipe's arguments runs once, in one pass, from its parser (`RecipeParser`): `check_pretrain_inputs`
-(`recipes/pretrain.py`) and `check_sft_inputs` (`recipes/sft_lora.py`, with `check_sft_arguments`), so that
-`hfl3.trainers.launch.parse_recipe_args` reports the `ValueError` as an argument error: the usage line, `PROG: error:
-<message>`, exit status 2, no traceback. A new argument that takes a path calls `check_file`, `check_folder` or
-`check_pretrained` from there. What is checked elsewhere, and why: values that need no other argument, in the
-config classes' `__post_init__` (`check_training_arguments`); the launch as accelerate set it up, first in `main`
-(`hfl3.trainers.launch.check_launch`: it needs the process group); what Muon cannot run under, when the Trainer
-exists (`hfl3.optim.refuse_unsupported_sharding`: it reads accelerate's state).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import glob
 import json
 import logging
+import sys
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 import huggingface_hub
 from huggingface_hub import constants
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.file_download import repo_folder_name
+from transformers.trainer_utils import IntervalStrategy
 from trl import TrlParser
 
-from hfl3.data.sft_sources import BUILDERS, dataset_splits
+from hfl3.data.sft_sources import BUILDERS, check_jsonl_file, dataset_splits
 from hfl3.data.sources import LOCAL_SUFFIXES
-from hfl3.distributed import check_same_on_all_ranks, on_all_ranks
+from hfl3.distributed import check_same_on_all_ranks, on_all_ranks, rank
 from hfl3.evaluate import check_core_bundle
 from hfl3.provenance.hub import is_hub_id
-from hfl3.trainers.outputs import base_model_hub_id, prepare_output_dir
+from hfl3.trainers.outputs import OutputFolder, base_model_hub_id, prepare_output_dir
+from hfl3.trainers.base_model import check_quantization_arguments
+from hfl3.trainers.sft_inheritance import decide_from_base
 
 logger = logging.getLogger(__name__)
 
@@ -62,26 +75,76 @@ PER_MACHINE_ARGUMENTS = frozenset({"output_dir", "logging_dir", "local_rank", "r
 which global rank 0 resolves for all (`hfl3.trainers.outputs.prepare_output_dir`)."""
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """Whether a run evaluates, decided once from its arguments and data (`decide_evaluation`).
+
+    Attributes:
+        enabled: the run evaluates (during training as `eval_strategy` says, and at the end).
+        on_start: it evaluates at step 0 too, inside `train()` (`eval_on_start`).
+    """
+
+    enabled: bool
+    on_start: bool
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """What the checks of a recipe's arguments decided, carried into its builder (`RecipeParser` returns it after
+    the parsed dataclasses).
+
+    Attributes:
+        output: where the run writes (`hfl3.trainers.outputs.prepare_output_dir`); None for a dry run.
+        evaluation: whether and when it evaluates.
+        settings: training arguments the checks decided, `{name: (value, source)}` (SFT: what a full fine-tuning
+            takes from its base, `hfl3.trainers.sft_inheritance`); the builder sets and logs each.
+        optimizer_state: a saved optimizer state to warm-start from (`--load_optimizer`), or None.
+    """
+
+    output: OutputFolder | None
+    evaluation: Evaluation
+    settings: dict = dataclasses.field(default_factory=dict)
+    optimizer_state: Path | None = None
+
+
 class RecipeParser(TrlParser):
     """`TrlParser` that runs `check(*parsed)` on the dataclasses it parsed (in the parser's order), inside
-    `parse_args_and_config`: what `check` raises is an argument error for `parse_recipe_args`.
+    `parse_args_and_config`, and returns the dataclasses followed by the `RunSetup` the check returns: what `check`
+    raises is an argument error for `parse_recipe_args`.
 
     In a launch of several processes every rank parses and checks; before the check, the arguments must be the same
     on every rank (but `PER_MACHINE_ARGUMENTS`), and a check that fails on one machine (a file it lacks) fails on
     every rank with the same line naming that machine (`hfl3.distributed.on_all_ranks`), so that no rank is left
     waiting for the others. Collectives inside `check` must be such agreeing ones too."""
 
-    def __init__(self, dataclass_types: Sequence[type], check: Callable[..., None]):
+    def __init__(self, dataclass_types: Sequence[type], check: Callable[..., RunSetup]):
         super().__init__(dataclass_types)
         self.check = check
 
     def parse_args_and_config(self, args: Iterable[str] | None = None, **kwargs) -> tuple:
+        args = list(args) if args is not None else sys.argv[1:]
+        given = self.given_arguments(args)
         parsed = super().parse_args_and_config(args, **kwargs)
-        given = parsed[: len(self.dataclass_types)]
-        check_same_on_all_ranks(launch_arguments(given), "the arguments", "start every machine with the same "
+        values = parsed[: len(self.dataclass_types)]
+        check_same_on_all_ranks(launch_arguments(values), "the arguments", "start every machine with the same "
                                 "command line (only accelerate's --machine_rank differs)")
-        on_all_ranks(lambda: self.check(*given))
-        return parsed
+        setup = on_all_ranks(lambda: self.check(*values, given=given))[rank()]
+        return (*values, setup, *parsed[len(self.dataclass_types):])
+
+    def given_arguments(self, args: Sequence[str]) -> frozenset[str]:
+        """The fields `args` set explicitly: keys of the `--config` YAML file and options on the command line
+        (`--name`, `--name=value`, `--no_name`), by field name. A check tells a value the user chose from a default
+        with it (a value equal to the default, given, counts as given)."""
+        names = set()
+        if "--config" in args and args.index("--config") + 1 < len(args):
+            with contextlib.suppress(OSError, yaml.YAMLError):  # the parser reports an unreadable file itself
+                config = yaml.safe_load(Path(args[args.index("--config") + 1]).read_text())
+                names |= set(config) - {"env"} if isinstance(config, dict) else set()
+        for token in args:
+            action = self._option_string_actions.get(token.split("=", 1)[0]) if token.startswith("--") else None
+            if action is not None and action.dest not in ("help", "config"):
+                names.add(action.dest)
+        return frozenset(names)
 
 
 def launch_arguments(parsed: Sequence) -> dict[str, str]:
@@ -90,6 +153,68 @@ def launch_arguments(parsed: Sequence) -> dict[str, str]:
     return {field.name: json.dumps(getattr(values, field.name), default=str, sort_keys=True)
             for values in parsed for field in dataclasses.fields(values)
             if field.init and field.name not in PER_MACHINE_ARGUMENTS}
+
+
+def add_config_argument(parser):
+    """Document `--config FILE` in the recipe's `--help`, first among the options, and shorten the usage line to
+    `usage: PROG [--config FILE] [options] (--help lists them)` (argparse's would list every option, hundreds of lines,
+    also above each error message). `TrlParser.parse_args_and_config` takes `--config` out of the arguments itself
+    before argparse sees them, so the argument only shows in the help (`default=SUPPRESS`: it never reaches the
+    parsed dataclasses). The recipe's dataclasses carry `_argument_group_name`, so each is its own group of options
+    listed after this one, in the parser's order.
+
+    Returns:
+        `parser`.
+    """
+    parser.usage = "%(prog)s [--config FILE] [options] (--help lists them)"
+    parser.add_argument(
+        "--config", metavar="FILE", default=argparse.SUPPRESS,
+        help="YAML file of option values (recipes/configs/*.yaml); options given on the command line override it",
+    )
+    return parser
+
+
+def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
+    """`parser.parse_args_and_config(args)` (a TRL `TrlParser`: `--config FILE`, then command-line overrides), where
+    a bad argument stops the program with one message instead of a traceback: the usage line (short, from
+    `add_config_argument`), then `PROG: error: <what is wrong>`, exit status 2 (argparse's convention).
+
+    Bad arguments: those argparse rejects (an invalid value, a missing one), flags no argument class declares, a
+    `--config` file that cannot be read or is not a YAML mapping, and values an argument class rejects in its
+    `__post_init__` (`ValueError`/`TypeError`, e.g. `--eval_strategy bogus`).
+
+    Args:
+        parser: the recipe's `TrlParser`, through `add_config_argument`.
+        args: the arguments (default: `sys.argv[1:]`).
+
+    Returns:
+        The parsed dataclasses and the `RunSetup`, as `RecipeParser.parse_args_and_config` returns them.
+    """
+    try:
+        return parser.parse_args_and_config(args)
+    except (ValueError, TypeError, OSError, yaml.YAMLError) as error:
+        parser.error(str(error))
+
+
+def check_training_arguments(args) -> None:
+    """Refuse arguments that would train nothing or the wrong way, before any data work (call it from a
+    `TrainingArguments` subclass's `__post_init__`, so that `parse_recipe_args` shows it as an
+    argument error).
+
+    Raises:
+        ValueError: `learning_rate <= 0` (zero trains nothing, a negative rate climbs the loss); `max_steps` 0 or
+            below -1 (-1, the default, trains `num_train_epochs` epochs); `num_train_epochs <= 0` with
+            `max_steps = -1`.
+    """
+    if not args.learning_rate > 0:
+        raise ValueError(f"learning_rate={args.learning_rate}: expected a positive learning rate (0 trains nothing, "
+                         "a negative rate climbs the loss); e.g. --learning_rate 3e-4")
+    if args.max_steps == 0 or args.max_steps < -1:
+        raise ValueError(f"max_steps={args.max_steps}: expected a positive number of optimizer steps, or -1 (the "
+                         "default) to train --num_train_epochs epochs")
+    if args.max_steps == -1 and not args.num_train_epochs > 0:
+        raise ValueError(f"num_train_epochs={args.num_train_epochs} with max_steps=-1 trains nothing: pass a "
+                         "positive --num_train_epochs or --max_steps")
 
 
 def _error(argument: str, value, problem: str, expected: str) -> ValueError:
@@ -249,37 +374,90 @@ def check_sft_dataset(name: str, config: str | None = None, splits: dict[str, st
                              f"{', '.join(sorted(available))}")
 
 
-def check_pretrain_inputs(script_args, model_args, training_args) -> None:
+def check_pretrain_inputs(script_args, model_args, training_args, given: frozenset[str] = frozenset()) -> RunSetup:
     """`recipes/pretrain.py`'s arguments, run by its parser: the output folder, resume checkpoint and push
     (`prepare_output_dir`), the corpora, the CORE bundle and the tokenizer. A dry run reads no data and leaves the
     output folder alone: only its tokenizer is checked.
 
+    Returns:
+        The `RunSetup`: the output folder (None for a dry run) and the evaluation (`decide_evaluation`; the
+        validation rows always exist).
+
     Raises:
         ValueError, OSError: one line naming the argument, the value and what was expected.
     """
+    output = None
     if not script_args.dry_run:
-        prepare_output_dir(training_args)
+        output = prepare_output_dir(training_args)
         check_corpus("dataset", script_args.dataset)
         if script_args.eval_dataset:
             check_corpus("eval_dataset", script_args.eval_dataset)
         check_core_bundle(training_args)
     if script_args.tokenizer_name_or_path:
         check_pretrained("tokenizer_name_or_path", script_args.tokenizer_name_or_path, TOKENIZER, TOKENIZER_FILES)
+    resuming = bool(output and output.resume_checkpoint)
+    return RunSetup(output, decide_evaluation(training_args, has_eval_data=True, resuming=resuming))
 
 
-def check_sft_inputs(script_args, model_args, training_args) -> None:
+def decide_evaluation(training_args, has_eval_data: bool, resuming: bool) -> Evaluation:
+    """Whether and when a run evaluates, one rule for both recipes: it evaluates when it has evaluation data and
+    `--eval_strategy` is not `no`; at step 0 too (inside `train()`) when `--eval_on_start` says so, or, left unset,
+    unless it resumes. A configuration that defaults to evaluating (`evaluate_by_default`: the SFT recipe's
+    `eval_strategy` left unset) trains without evaluating when there is no evaluation data, and one log line says
+    so.
+
+    Raises:
+        ValueError: an evaluation strategy, best-model loading or step-0 evaluation asked for without evaluation
+            data; early stopping without evaluation (data, a strategy other than `no`, and best-model loading).
+    """
+    strategy = IntervalStrategy(training_args.eval_strategy)
+    if not has_eval_data and getattr(training_args, "evaluate_by_default", False):
+        logger.info("no --dataset_test_split, --val_split or --eval_file: training without evaluation (no "
+                    "best-model selection)")
+        strategy = IntervalStrategy.NO
+    elif not has_eval_data and strategy != IntervalStrategy.NO:
+        raise ValueError(f"eval_strategy={strategy.value} needs --dataset_test_split, --val_split or --eval_file")
+    enabled = has_eval_data and strategy != IntervalStrategy.NO
+    if getattr(training_args, "early_stopping_patience", None) and not (enabled and
+                                                                         training_args.load_best_model_at_end):
+        raise ValueError("--early_stopping_patience needs evaluation: evaluation data, an --eval_strategy other than "
+                         "no, and --load_best_model_at_end true")
+    if training_args.eval_on_start and not enabled:
+        raise ValueError("--eval_on_start true needs evaluation: evaluation data and an --eval_strategy other than no")
+    on_start = enabled and (not resuming if training_args.eval_on_start is None else training_args.eval_on_start)
+    return Evaluation(enabled, on_start)
+
+
+def apply_evaluation(training_args, evaluation: Evaluation) -> None:
+    """Set `training_args` to `evaluation` (what `decide_evaluation` decided): `eval_on_start`, and without
+    evaluation `eval_strategy` no, `do_eval` and best-model loading off. The builders call it once, before the
+    Trainer is built."""
+    training_args.eval_on_start = evaluation.on_start
+    if not evaluation.enabled:
+        training_args.eval_strategy, training_args.do_eval = IntervalStrategy.NO, False
+        training_args.load_best_model_at_end = False
+
+
+def check_sft_inputs(script_args, model_args, training_args, given: frozenset[str] = frozenset()) -> RunSetup:
     """`recipes/sft_lora.py`'s arguments, run by its parser: `prepare_output_dir` (output folder, resume checkpoint,
     a push's `--hub_model_id` and network), `check_sft_arguments`, then every path and name given; a push needs a
     Hub id for the base model (`base_model_hub_id`).
 
+    Returns:
+        The `RunSetup`: the output folder, and the evaluation `decide_evaluation` decides.
+
     Raises:
         ValueError, OSError: one line naming the argument, the value and what was expected.
     """
-    prepare_output_dir(training_args)  # first: check_sft_arguments needs --resume_from_checkpoint latest resolved
-    check_sft_arguments(script_args, training_args, model_args)
+    output = prepare_output_dir(training_args)
+    has_eval_data = check_sft_arguments(script_args, training_args, model_args)
+    evaluation = decide_evaluation(training_args, has_eval_data, resuming=bool(output.resume_checkpoint))
+    settings, optimizer_state = decide_from_base(model_args, training_args, given)
     for argument in ("train_file", "eval_file"):
         if getattr(script_args, argument):
-            check_file(argument, getattr(script_args, argument), 'a chat JSONL file (one {"messages": [...]} per line)')
+            check_file(argument, getattr(script_args, argument), 'a chat JSONL file (one {"messages": [...]} per '
+                       'line, or {"text": ...}; gzip-compressed too)')
+            check_jsonl_file(getattr(script_args, argument), argument)  # Parquet, another compression, no record
     if script_args.dataset_name:
         splits = {"dataset_train_split": script_args.dataset_train_split or "train"}
         if script_args.dataset_test_split:
@@ -308,16 +486,17 @@ def check_sft_inputs(script_args, model_args, training_args) -> None:
     if training_args.push_to_hub and model_args.base_model_hub_id:
         check_hub_repo("base_model_hub_id", model_args.base_model_hub_id, "the Hub repository of "
                        "--model_name_or_path")
+    return RunSetup(output, evaluation, settings, optimizer_state)
 
 
-def check_sft_arguments(script_args, training_args, model_args) -> None:
-    """Reject SFT argument combinations that would train something else than asked; without evaluation data turn
-    the default evaluation off (`SFTLoRAConfig.without_evaluation`, one log line says so); resolve `eval_on_start`.
+def check_sft_arguments(script_args, training_args, model_args) -> bool:
+    """Reject SFT argument combinations that would train something else than asked. Returns whether the run has
+    evaluation data (`--dataset_test_split`, `--val_split` or `--eval_file`).
 
     Raises:
         ValueError: no model; no or two data sources (or two evaluation sources); `dataset_*` options without
-            `--dataset_name`; `use_peft=False`; evaluation, best-model loading or early stopping asked for without
-            evaluation data.
+            `--dataset_name`; Muon with LoRA; `--merge` without LoRA; quantization flags that cannot act
+            (`hfl3.trainers.base_model.check_quantization_arguments`).
     """
     if not model_args.model_name_or_path:
         raise ValueError("--model_name_or_path is required (a folder, a Hub id, or the folder of --gguf_file)")
@@ -331,17 +510,11 @@ def check_sft_arguments(script_args, training_args, model_args) -> None:
     for name in ("dataset_config", "dataset_train_split", "dataset_test_split"):
         if getattr(script_args, name) and not script_args.dataset_name:
             raise ValueError(f"--{name} needs --dataset_name")
-    if not model_args.use_peft:
-        raise ValueError("this recipe trains LoRA adapters; --use_peft false is not supported")
-    has_eval = bool(evaluation)
-    if not has_eval and training_args.evaluate_by_default and not training_args.early_stopping_patience:
-        logger.info("no --dataset_test_split, --val_split or --eval_file: training without evaluation (no "
-                    "best-model selection)")
-        training_args.without_evaluation()
-    if training_args.eval_strategy != "no" and not has_eval:
-        raise ValueError(f"eval_strategy={training_args.eval_strategy.value} needs --dataset_test_split, "
-                         "--val_split or --eval_file")
-    if training_args.early_stopping_patience and not (has_eval and training_args.load_best_model_at_end):
-        raise ValueError("--early_stopping_patience needs evaluation data and --load_best_model_at_end true")
-    if training_args.eval_on_start is None:
-        training_args.eval_on_start = has_eval and not training_args.resume_from_checkpoint
+    if training_args.use_muon and model_args.use_peft:
+        raise ValueError("--optim muon with LoRA: Muon orthogonalises whole weight matrices, and a LoRA factor (rank x "
+                         "width) is not one; train every weight with Muon (--use_peft false), or LoRA with AdamW")
+    if script_args.merge and not model_args.use_peft:
+        raise ValueError("--merge with --use_peft false: there is no adapter to merge; the output folder is the "
+                         "whole fine-tuned model")
+    check_quantization_arguments(model_args, training_args)
+    return bool(evaluation)

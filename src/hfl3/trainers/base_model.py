@@ -1,0 +1,250 @@
+"""The base model of LoRA SFT, loaded as TRL's `trl sft` loads it, quantized by bitsandbytes for QLoRA: the checks
+of the quantization arguments (`check_quantization_arguments`, at parse time), the load (`load_base_model`), what a
+quantized base records (`quantization_metadata`) and the merge of an adapter into it (`merge_adapter`).
+
+What TRL 1.16 does, and so hfl3: `trl/scripts/sft.py` builds `from_pretrained`'s keyword arguments from `--dtype`,
+`--attn_implementation`, `--model_revision` and `--trust_remote_code`, then updates them with `--model_init_kwargs`
+(so `model_init_kwargs` wins where both name a value); `SFTTrainer` loads through `create_model_from_path` with
+`get_quantization_config(model_args)` (4-bit: compute dtype = `--dtype`; 8-bit: LLM.int8). `SFTTrainer` does not call
+PEFT's `prepare_model_for_kbit_training` (only TRL's experimental CPO/ORPO trainers do): with a `peft_config` it wraps
+the model, casts the trainable adapter weights of a k-bit model to bfloat16 (QLoRA paper, §3) and, with activation
+checkpointing, enables input gradients. hfl3 prepares nothing more, so nothing is done twice, and the unquantized
+weights (embeddings, norms, `lm_head`) stay in the load dtype where `prepare_model_for_kbit_training` would upcast them
+to float32. `get_kbit_device_map`, which older TRL releases used, is gone from TRL 1.16: `create_model_from_path`
+places the model (`device_map` None on CPU/MPS, else "auto"), `SFTTrainer` forces None in a launch of several
+processes, and bitsandbytes then puts the model on the process's own device.
+
+Where hfl3 differs from TRL, each on purpose:
+- the 4-bit compute dtype is the dtype the weights load in (`model_init_kwargs["dtype"]` over `--dtype`, as the load
+  itself), where TRL takes `--dtype` alone; TRL's comment says it means "consistency with model weights", which
+  breaks when only `model_init_kwargs` names the dtype;
+- `device_map` is None in every launch of several processes (TRL: DDP and DeepSpeed only; with FSDP its "auto" would
+  load every process's copy across all the GPUs);
+- an L3GPT keeps its smear gate and value-embedding gates in high precision besides `lm_head`
+  (`L3GPT_HIGH_PRECISION_MODULES`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, GgufConfig, PreTrainedModel
+from transformers.utils import is_bitsandbytes_available
+from transformers.utils.import_utils import BITSANDBYTES_MIN_VERSION
+from trl import get_quantization_config
+from trl.trainer.utils import create_model_from_path
+
+QLORA_INSTALL = "pip install 'hfl3[qlora]'"
+L3GPT_HIGH_PRECISION_MODULES = ("lm_head", "smear.gate", "value_embedding_gate")
+"""`llm_int8_skip_modules` of an L3GPT (transformers matches each as a name suffix). The smear gate (24 → 1) and the
+value-embedding gates (12 → heads) read a slice of a token's channels and give one or two scalars per token: in
+bitsandbytes' 64-weight blocks a whole gate row shares one scale, and quantizing them saves nothing measurable.
+`lm_head` is what transformers keeps by default (`get_keys_to_not_convert`: the output embedding), which an explicit
+skip list replaces. The L3 tables and value embeddings are `nn.Embedding`s, never quantized."""
+QUANT_STORAGE_DTYPES = ("float16", "float32", "int8", "uint8", "float64", "bfloat16")  # BitsAndBytesConfig accepts
+LOAD_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # TRL's names
+
+
+def model_init_kwargs(model_args, training_args) -> dict:
+    """`from_pretrained`'s keyword arguments as `trl/scripts/sft.py` builds them: `revision`, `trust_remote_code`,
+    `attn_implementation` and `dtype` from the arguments, then `training_args.model_init_kwargs` over them (it wins:
+    `--dtype float32 --model_init_kwargs '{"dtype": "bfloat16"}'` loads bfloat16)."""
+    kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
+                  attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
+    return kwargs | dict(training_args.model_init_kwargs or {})
+
+
+def load_dtype(model_args, training_args) -> torch.dtype | str | None:
+    """The dtype the weights load in: `model_init_kwargs["dtype"]` when given, else `--dtype` (TRL's default
+    "float32"); a `torch.dtype` for a dtype's name, "auto" or None as given."""
+    dtype = model_init_kwargs(model_args, training_args).get("dtype", "float32")
+    return LOAD_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+
+
+def check_quantization_arguments(model_args, training_args) -> int | None:
+    """Refuse, at parse time, the quantization arguments that would fail late or train something else than asked.
+    Returns the bits the base will be quantized to (4 or 8), or None.
+
+    Args:
+        model_args: a `trl.ModelConfig` (`load_in_4bit`, `load_in_8bit`, `bnb_4bit_quant_type`,
+            `use_bnb_nested_quant`, `bnb_4bit_quant_storage`, `use_peft`, `dtype`, and `gguf_file` where it has one).
+        training_args: an `SFTConfig` (`model_init_kwargs`).
+
+    Raises:
+        ValueError: one line naming the argument and the fix: 4-bit and 8-bit together; a `bnb_*` option without
+            `--load_in_4bit`; bitsandbytes missing (older than transformers' minimum); `--use_peft false` (a quantized
+            base cannot be fully fine-tuned: transformers refuses it after the data are prepared); with `--gguf_file`
+            (transformers refuses to quantize a GGUF file); `quantization_config` also in `--model_init_kwargs`
+            (TRL refuses both); 4-bit with dtype "auto" (`BitsAndBytesConfig` needs a named compute dtype); a
+            `--bnb_4bit_quant_storage` or `--bnb_4bit_quant_type` bitsandbytes does not have.
+    """
+    four, eight = model_args.load_in_4bit, model_args.load_in_8bit
+    if four and eight:
+        raise ValueError("--load_in_4bit and --load_in_8bit: choose one (4-bit NF4 is QLoRA's)")
+    if not four:
+        given = [f"--{name} {value}" for name, value, default in (
+            ("bnb_4bit_quant_type", model_args.bnb_4bit_quant_type, "nf4"),
+            ("use_bnb_nested_quant", model_args.use_bnb_nested_quant, False),
+            ("bnb_4bit_quant_storage", model_args.bnb_4bit_quant_storage, None)) if value != default]
+        if given:
+            raise ValueError(f"{' and '.join(given)}: 4-bit options without --load_in_4bit, which would ignore them; "
+                             "add --load_in_4bit true or drop them")
+    if not (four or eight):
+        return None
+    flag = "--load_in_4bit" if four else "--load_in_8bit"
+    if not is_bitsandbytes_available():
+        raise ValueError(f"{flag} needs bitsandbytes >= {BITSANDBYTES_MIN_VERSION}, which is not installed: "
+                         f"{QLORA_INSTALL}")
+    if not model_args.use_peft:
+        raise ValueError(f"{flag} with --use_peft false: a quantized base cannot be fully fine-tuned; train LoRA "
+                         "adapters on it (--use_peft true) or drop the flag")
+    if getattr(model_args, "gguf_file", None):
+        raise ValueError(f"{flag} with --gguf_file {model_args.gguf_file}: a GGUF file is already quantized and "
+                         "loads dequantized; drop one of the two")
+    if "quantization_config" in (training_args.model_init_kwargs or {}):
+        raise ValueError(f"{flag} and a quantization_config in --model_init_kwargs: give the quantization in one "
+                         "place (the flags)")
+    if four:
+        dtype = load_dtype(model_args, training_args)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"--load_in_4bit with dtype {dtype!r}: the 4-bit compute dtype is the load dtype and "
+                             "must be named; pass --dtype bfloat16 (or float16, float32)")
+        if model_args.bnb_4bit_quant_type not in ("nf4", "fp4"):
+            raise ValueError(f"--bnb_4bit_quant_type {model_args.bnb_4bit_quant_type}: expected nf4 or fp4")
+        storage = model_args.bnb_4bit_quant_storage
+        if storage is not None and storage not in QUANT_STORAGE_DTYPES:
+            raise ValueError(f"--bnb_4bit_quant_storage {storage}: expected one of {', '.join(QUANT_STORAGE_DTYPES)}")
+    return 4 if four else 8
+
+
+def quantization_config(model_args, training_args) -> BitsAndBytesConfig | None:
+    """TRL's `get_quantization_config(model_args)` with the 4-bit compute dtype set to the load dtype
+    (`load_dtype`) and, for an L3GPT, `llm_int8_skip_modules = L3GPT_HIGH_PRECISION_MODULES` (the model type is read
+    from the config of `model_name_or_path`); None without `--load_in_4bit` / `--load_in_8bit`. The arguments as
+    `check_quantization_arguments` accepted them."""
+    if not (model_args.load_in_4bit or model_args.load_in_8bit):
+        return None
+    loaded_as = copy.copy(model_args)  # TRL reads the compute dtype from `dtype`
+    loaded_as.dtype = load_dtype(model_args, training_args)
+    config = get_quantization_config(loaded_as)
+    kwargs = model_init_kwargs(model_args, training_args)
+    model_type = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=kwargs.get("revision"),
+                                            trust_remote_code=kwargs.get("trust_remote_code", False)).model_type
+    if model_type == "l3gpt":
+        config.llm_int8_skip_modules = list(L3GPT_HIGH_PRECISION_MODULES)
+    return config
+
+
+def load_base_model(model_args, training_args) -> PreTrainedModel:
+    """The base model for LoRA SFT, as TRL's `trl sft` loads it (module docstring): `model_name_or_path` through
+    `trl.trainer.utils.create_model_from_path` with `model_init_kwargs(...)`; a `gguf_file` dequantized to dense
+    weights (`GgufConfig(dequantize=True)`: the Trainer refuses to train a GGUF quantizer); `--load_in_4bit` /
+    `--load_in_8bit` quantized by bitsandbytes (`quantization_config`), on the device this process trains on. Give it
+    the arguments as `check_quantization_arguments` accepted them; the adapters are added by `SFTTrainer`.
+
+    Args:
+        model_args: a `trl.ModelConfig` (with `gguf_file` where the recipe has it).
+        training_args: an `SFTConfig`; its `distributed_state` is set up here if it was not yet (accelerate's state,
+            `--use_cpu` respected), as the Trainer would.
+
+    Returns:
+        The `PreTrainedModel`; a quantized one has `is_loaded_in_4bit` / `is_loaded_in_8bit` set and
+        `bitsandbytes.nn.Linear4bit` / `Linear8bitLt` layers.
+    """
+    kwargs = model_init_kwargs(model_args, training_args)
+    if getattr(model_args, "gguf_file", None):
+        kwargs |= dict(gguf_file=model_args.gguf_file, quantization_config=GgufConfig(dequantize=True))
+    elif (quantization := quantization_config(model_args, training_args)) is not None:
+        kwargs["quantization_config"] = quantization
+    state = training_args.distributed_state
+    if state.num_processes > 1:  # each process loads its own copy; bitsandbytes places it on the process's device
+        kwargs["device_map"] = None
+    return create_model_from_path(model_args.model_name_or_path, architecture=AutoModelForCausalLM, **kwargs)
+
+
+def bitsandbytes_config(model) -> BitsAndBytesConfig | None:
+    """The `BitsAndBytesConfig` a model (or a `PeftModel`'s base) was quantized with; None if it was not."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    config = getattr(getattr(base, "hf_quantizer", None), "quantization_config", None)
+    return config if isinstance(config, BitsAndBytesConfig) else None
+
+
+def quantization_metadata(model) -> dict | None:
+    """What metadata.json (`base_model.quantization`) and the model card say of a base quantized by bitsandbytes;
+    None for an unquantized base (a dequantized GGUF file included).
+
+    Args:
+        model: the model `load_base_model` returned (or a `PeftModel` of it: its adapter layers are not counted).
+
+    Returns:
+        A JSON-safe dict: `method` ("bitsandbytes"), `bits` (4 or 8), `quant_type` ("nf4", "fp4" or "llm_int8"),
+        `compute_dtype` (4-bit; None for LLM.int8, whose matmuls run in int8 with float16 outliers),
+        `nested_quantization` (4-bit: the scales quantized too; None for 8-bit), `storage_dtype` (the packed weights'
+        dtype), `dtype` (of the weights left unquantized), `quantized_linear_modules` (count),
+        `unquantized_linear_modules` (names of the `nn.Linear`s kept in `dtype`; embeddings and norms are never
+        quantized), `memory_footprint_bytes` (`get_memory_footprint()`) and `bitsandbytes_config`: the keyword
+        arguments of `BitsAndBytesConfig` that quantize the same base the same way (what differs from its defaults).
+    """
+    config = bitsandbytes_config(model)
+    if config is None:
+        return None
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    import bitsandbytes as bnb  # installed: the model was quantized with it
+
+    linear = {name: module for name, module in base.named_modules() if isinstance(module, torch.nn.Linear)
+              and not any(part.startswith("lora_") for part in name.split("."))}
+    quantized = [name for name, module in linear.items() if isinstance(module, (bnb.nn.Linear4bit,
+                                                                                bnb.nn.Linear8bitLt))]
+    four = config.load_in_4bit
+    return {
+        "method": "bitsandbytes",
+        "bits": 4 if four else 8,
+        "quant_type": config.bnb_4bit_quant_type if four else "llm_int8",
+        "compute_dtype": str(config.bnb_4bit_compute_dtype).removeprefix("torch.") if four else None,
+        "nested_quantization": config.bnb_4bit_use_double_quant if four else None,
+        "storage_dtype": str(config.bnb_4bit_quant_storage).removeprefix("torch.") if four else "int8",
+        "dtype": str(base.config.dtype).removeprefix("torch."),
+        "quantized_linear_modules": len(quantized),
+        "unquantized_linear_modules": sorted(set(linear) - set(quantized)),
+        "memory_footprint_bytes": int(base.get_memory_footprint()),
+        "bitsandbytes_config": {"load_in_4bit" if four else "load_in_8bit": True} | {
+            key: value for key, value in config.to_diff_dict().items()
+            if not key.startswith(("_", "load_in_")) and key != "quant_method"},
+    }
+
+
+def merge_adapter(model: PeftModel) -> PreTrainedModel:
+    """The base with the active LoRA adapter merged in, as a plain `PreTrainedModel` (in place, like PEFT's
+    `merge_and_unload`: the `PeftModel` is used up).
+
+    An unquantized base: PEFT's `merge_and_unload`. A base quantized by bitsandbytes: PEFT's merge would requantize
+    each merged weight (4-bit: `Params4bit(W + ΔW)`, rounded to NF4 again, and the adapter's update mostly lost), so
+    instead the adapter's weights are kept, the adapter unloaded, the base dequantized (transformers'
+    `dequantize`: NF4/int8 weights × their scales, to the 4-bit compute dtype, or to the load dtype for 8-bit; its
+    quantization config removed), the adapter put back on the dense base and merged there. The merged model then
+    computes what the adapter model computed (the same dequantized weights plus the same update) up to the dtype's
+    round-off; for 8-bit, LLM.int8's rounding of the activations is gone from it.
+
+    Raises:
+        ValueError: more than one active adapter.
+    """
+    base = model.get_base_model()
+    config = bitsandbytes_config(base)
+    if config is None:
+        return model.merge_and_unload()
+    if len(model.active_adapters) != 1:
+        raise ValueError(f"merge_adapter: active adapters {model.active_adapters}; activate the one to merge "
+                         "(model.set_adapter(name))")
+    adapter_name = model.active_adapters[0]
+    peft_config = model.peft_config[adapter_name]
+    adapter_weights = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    dtype = config.bnb_4bit_compute_dtype if config.load_in_4bit else base.config.dtype
+    base = model.unload()
+    base.dequantize(dtype=dtype)
+    for name in ("is_loaded_in_4bit", "is_loaded_in_8bit"):  # transformers' dequantize leaves them set
+        vars(base).pop(name, None)
+    dense = get_peft_model(base, peft_config, adapter_name=adapter_name)
+    set_peft_model_state_dict(dense, adapter_weights, adapter_name=adapter_name)
+    return dense.merge_and_unload()

@@ -1,0 +1,123 @@
+"""How a recipe runs and ends: `run_recipe(parser, main)` parses the arguments, runs `main` and ends every rank through
+`hfl3.distributed.end_distributed_run`; when the run stops early, `recipe_exits` turns what stopped it into one line on
+stderr and an exit status instead of a traceback:
+
+| what stopped the run | exit status | the line |
+|---|---|---|
+| bad input: `hfl3.errors.InputError` (data, a model folder, a plan), `LaunchError`, bad chat records | 2 | the error's own words |
+| a NaN/inf loss or gradient (`NonFiniteTrainingError`) | 1 | the step, the newest checkpoint, what to change |
+| Ctrl-C (`KeyboardInterrupt`) | 130 | what was saved and the command's flags that resume it |
+| a lost or frozen rank (the process group failed) | 1 | the lost ranks (`hfl3.distributed.lost_peer_message`) |
+
+Anything else keeps its traceback: it is hfl3's bug or the environment's. In every case but success an output folder
+that this run created is left without its staging area (work files, a partial final folder) and removed when
+nothing else is in it; its checkpoints stay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from hfl3.data.chat import InvalidChatRecord, SFTDataError
+from hfl3.distributed import end_distributed_run, lost_peer_message
+from hfl3.errors import InputError
+from hfl3.trainers.arguments import parse_recipe_args
+from hfl3.trainers.guards import NonFiniteTrainingError
+from hfl3.trainers.launch import LOG_FORMAT, LaunchError
+from hfl3.trainers.outputs import STAGING, OutputFolder, latest_checkpoint
+
+logger = logging.getLogger(__name__)
+
+INPUT_ERRORS = (InputError, LaunchError, InvalidChatRecord, SFTDataError)
+"""What a recipe reports as bad input: one line, exit status 2."""
+
+
+class RecipeEnding:
+    """What `recipe_exits` needs to say how a run ended: its output folder, once the arguments are parsed."""
+
+    output: OutputFolder | None = None
+
+
+def _say(prog: str | None, message: str) -> None:
+    # one write of the whole line: the ranks of a launch print at the same moment into one unbuffered stream
+    sys.stderr.write(f"{prog or os.path.basename(sys.argv[0])}: error: {message}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def interrupted_message(output: OutputFolder | None) -> str:
+    """What a Ctrl-C leaves and how to continue: the newest complete checkpoint of the run and the flags that resume
+    it, or that nothing was saved."""
+    if output is None:
+        return "interrupted before the run started; nothing was written"
+    newest = latest_checkpoint(output.run_dir) if output.run_dir.is_dir() else None
+    if newest is None:
+        return (f"interrupted; no checkpoint was saved ({output.path}'s files are as they were before this run); run "
+                "the same command again to start over")
+    again = "--overwrite_output_dir --resume_from_checkpoint latest" if output.replacing else \
+        "--resume_from_checkpoint latest"
+    kept = f" ({output.path}'s own files are as they were before this run)" if output.replacing else ""
+    return f"interrupted; the newest checkpoint is {Path(newest).name}{kept}: add {again} to continue from it"
+
+
+def discard_staging(output: OutputFolder | None) -> None:
+    """After a run that did not finish: an output folder this run created loses its staging area (work files, a
+    partial final folder), and is removed when nothing else is left in it. A folder that existed before is left as
+    it is (a replacing run's staged checkpoints live there, for its resume)."""
+    if output is None or not output.created or not output.path.is_dir():
+        return
+    shutil.rmtree(output.path / STAGING, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        output.path.rmdir()  # only when empty: the run's checkpoints stay
+
+
+@contextlib.contextmanager
+def recipe_exits(prog: str | None = None) -> Iterator[RecipeEnding]:
+    """`with recipe_exits() as ending:` around a recipe's parsing and `main`; set `ending.output` once the output
+    folder is known. Ends the program as the module docstring's table says when the block raises. Every rank prints
+    its message (the same on each): the launcher stops the others as soon as one exits, so a message left to rank 0
+    alone could be cut off."""
+    ending = RecipeEnding()
+    try:
+        yield ending
+    except INPUT_ERRORS as error:
+        discard_staging(ending.output)
+        _say(prog, str(error))
+        sys.exit(2)
+    except NonFiniteTrainingError as error:
+        discard_staging(ending.output)
+        _say(prog, str(error))
+        sys.exit(1)
+    except KeyboardInterrupt:
+        discard_staging(ending.output)
+        _say(prog, interrupted_message(ending.output))
+        os._exit(130)  # no interpreter shutdown: DataLoader workers and process-group threads may still be running
+    except RuntimeError as error:  # the process group failed: a lost rank is named, anything else propagates
+        message = lost_peer_message(error)
+        if message is None:
+            discard_staging(ending.output)
+            raise
+        _say(prog, message)
+        os._exit(1)  # no interpreter shutdown: it would wait on the broken group's threads and the data workers
+    except BaseException:
+        discard_staging(ending.output)
+        raise
+
+
+def run_recipe(parser, main: Callable[..., object], args: list[str] | None = None) -> None:
+    """A recipe's `__main__`: log lines in `LOG_FORMAT`, parse (`parse_recipe_args` over the script, model and
+    training argument classes, in that order), `main(script_args, training_args, model_args, setup)` (TRL's order,
+    and the `RunSetup`), then end every rank through `end_distributed_run` (exit status 0); inside `recipe_exits`."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    with recipe_exits() as ending:
+        script_args, model_args, training_args, setup = parse_recipe_args(parser, args)
+        ending.output = setup.output
+        main(script_args, training_args, model_args, setup)
+    end_distributed_run()  # every rank: the others done, the process group destroyed, outputs flushed, exit 0

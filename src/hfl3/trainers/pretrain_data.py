@@ -1,0 +1,159 @@
+"""The pretraining data of a run, built once before the model: the corpus and its validation side (`open_data`), the
+tokenizer (`prepare_tokenizer`), the training stream and the validation rows (`prepare_data`), and the `data` section
+of `metadata.json` (`data_metadata`). `hfl3.trainers.pretrain_builder` builds the model and trainer on them."""
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hfl3.data import sources
+from hfl3.data.packing import PackingReport
+from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
+from hfl3.distributed import check_same_on_all_ranks, from_main, main_writes
+from hfl3.errors import InputError
+from hfl3.tokenization import load_tokenizer, train_tokenizer
+from hfl3.trainers.outputs import OutputFolder, work_dir
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PretrainScriptArguments:
+    """The pretraining recipe's data, tokenizer and sample arguments (TRL's scripts import their `ScriptArguments`
+    from the library the same way): the corpus (`dataset`, read by `hfl3.data.sources.open_corpus`), its validation
+    side, the stream's buffers, the tokenizer (given, or a BPE trained on the stream), the L3 allocation's sample and
+    the greedy samples printed at evaluation; `dry_run` plans and stops."""
+
+    _argument_group_name = "data and tokenizer (hfl3.trainers.pretrain_data.PretrainScriptArguments)"
+
+    dataset: str = field(default="stdlib", metadata={"help": "comma-separated: stdlib, .txt/.jsonl/.json/.parquet "
+                                                     "files, folders and globs, or datasets names (Hub or disk)"})
+    dataset_config: str | None = field(default=None, metadata={"help": "configuration of a datasets source"})
+    dataset_split: str = field(default="train", metadata={"help": "split of a datasets source"})
+    text_column: str = field(default="text", metadata={"help": "text field of .jsonl/.json/.parquet and datasets"})
+    document_separator: str | None = field(default=None, metadata={"help": "split .txt files at this string ('': "
+                                                                   "whole files); default: a single .txt file is "
+                                                                   "split at blank lines, others are whole"})
+    skip_invalid_files: bool = field(default=False, metadata={"help": "skip non-UTF-8/empty files (counted)"})
+    eval_dataset: str | None = field(default=None, metadata={"help": "held-out validation source (as --dataset; "
+                                                             "its files leave the training data); default: a "
+                                                             "seeded hash split of the documents"})
+    val_fraction: float = field(default=0.05, metadata={"help": "share of documents held out (hash split)"})
+    max_eval_rows: int = field(default=256, metadata={"help": "packed validation rows, built once"})
+    document_max_chars: int | None = field(default=None, metadata={"help": "cut documents into pieces of at most "
+                                                                   "this many characters (default: max_length; 0: "
+                                                                   "whole)"})
+    shuffle_buffer: int = field(default=1000, metadata={"help": "pieces in the seeded shuffle buffer (0: in order)"})
+    packing_buffer: int = field(default=1000, metadata={"help": "pieces the best-fit packing chooses from"})
+    tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "existing tokenizer; else train one"})
+    vocab_size: int = field(default=32768, metadata={"help": "vocabulary of the trained BPE"})
+    tokenizer_train_chars: int = field(default=20_000_000, metadata={"help": "characters to train the BPE on (from "
+                                                                     "the start of the stream)"})
+    l3_sample_tokens: int = field(default=2_000_000, metadata={"help": "training tokens LZW-scanned for L3 (from "
+                                                               "the start of the stream)"})
+    # No trailing space: BPE words carry their leading space (" foo"), so "def " would end on a lone-space token
+    sample_prompts: list[str] = field(default_factory=lambda: ["def", "import", "class"],
+                                      metadata={"help": "prompts for greedy samples at eval time"})
+    dry_run: bool = field(default=False, metadata={"help": "print the compute-optimal plan and exit before reading "
+                                                   "data (vocabulary: --tokenizer_name_or_path's, else --vocab_size)"})
+
+
+def open_data(script_args: PretrainScriptArguments, seed: int) -> tuple[DocumentSource, DocumentSource]:
+    """The training documents and the validation documents: a held-out `--eval_dataset`, else a hash split."""
+    options = dict(text_column=script_args.text_column, split=script_args.dataset_split,
+                   dataset_config=script_args.dataset_config, document_separator=script_args.document_separator,
+                   skip_invalid=script_args.skip_invalid_files)
+    held_out = sources.open_corpus(script_args.eval_dataset, **options) if script_args.eval_dataset else None
+    corpus = sources.open_corpus(script_args.dataset, **options, exclude=held_out)
+    split = None if held_out else DocumentSplit(script_args.val_fraction, seed)
+    logger.info("corpus: %d shard(s), validation: %s", len(corpus.shards),
+                script_args.eval_dataset or f"hash split, {script_args.val_fraction:.0%} of the documents")
+    return (DocumentSource(corpus, split, seed=seed),
+            DocumentSource(held_out or corpus, split, validation=split is not None, seed=seed, shuffle_shards=False,
+                           epochs=1))
+
+
+def prepare_tokenizer(script_args: PretrainScriptArguments, output: OutputFolder, documents: DocumentSource):
+    """The resumed checkpoint's tokenizer (`output.resume_checkpoint`); else the given tokenizer, or a BPE trained on
+    the first `tokenizer_train_chars` characters of the training documents by global rank 0 into the staging area
+    (`output_dir` itself is not touched before training), read from there by every rank (`main_writes`: a machine
+    that does not see rank 0's disk gets a copy through the process group)."""
+    if output.resume_checkpoint:
+        return load_tokenizer(output.resume_checkpoint)
+    if script_args.tokenizer_name_or_path:
+        return load_tokenizer(script_args.tokenizer_name_or_path)
+    saved = work_dir(output.path) / "tokenizer"
+    with main_writes(saved) as writing:
+        if writing:
+            train_tokenizer(documents.sample_texts(script_args.tokenizer_train_chars),
+                            script_args.vocab_size).save_pretrained(saved)
+    return load_tokenizer(str(saved))
+
+
+@dataclass
+class PretrainData:
+    """The training stream and the validation rows (`(rows, max_length)`, built once from the `validation`
+    documents), with their packing report and document counts."""
+
+    train: PackedStream
+    validation: DocumentSource
+    eval_rows: np.ndarray
+    eval_report: PackingReport
+    eval_counts: dict
+
+
+def prepare_data(script_args: PretrainScriptArguments, documents: tuple[DocumentSource, DocumentSource], tokenizer,
+                 max_length: int, evaluate: bool = True) -> PretrainData:
+    """The training stream over `documents[0]` and, when the run `evaluate`s, the validation rows of `documents[1]`
+    (packed by global rank 0 for every rank; without evaluation, none), tokenized by `tokenizer`.
+
+    Raises:
+        ValueError: the training stream differs between ranks (another copy of the data on a machine).
+        InputError: no full validation row (too few validation documents, or too short).
+    """
+    train_documents, eval_documents = documents
+    max_chars = max_length if script_args.document_max_chars is None else script_args.document_max_chars
+    stream = PackedStream(train_documents, tokenizer, max_length, max_chars, script_args.packing_buffer,
+                          script_args.shuffle_buffer)
+    check_same_on_all_ranks(stream.fingerprint(), "the training stream (data files, split, tokenizer, packing)",
+                            "give every machine the same --dataset files and arguments")
+    if not evaluate:
+        logger.info("--eval_strategy no: no validation rows are built (the split still holds its documents out)")
+        return PretrainData(stream, eval_documents, np.empty((0, max_length), dtype=np.int64), PackingReport(),
+                            {"documents": 0, "duplicates": 0})
+    eval_rows, eval_report, eval_counts = from_main(lambda: PackedStream(
+        eval_documents, tokenizer, max_length, max_chars, script_args.packing_buffer, shuffle_buffer=0
+    ).materialize(script_args.max_eval_rows))
+    logger.info("validation: %d rows from %d documents (cropped %.2f%%, %d duplicate documents dropped)",
+                len(eval_rows), eval_counts["documents"], 100 * eval_report.cropped_share, eval_counts["duplicates"])
+    if not len(eval_rows):
+        raise InputError(f"no full validation row of {max_length} tokens ({eval_counts['documents']} validation "
+                         "documents); raise --val_fraction, pass --eval_dataset or lower --max_length")
+    return PretrainData(stream, eval_documents, eval_rows, eval_report, eval_counts)
+
+
+def data_metadata(script_args: PretrainScriptArguments, data: PretrainData, consumed: dict) -> dict:
+    """The `data` section of metadata.json: sources (files with sizes and sha256), the split, what was trained on
+    (`consumed`: `PretrainTrainer.stream_summary`, also logged)."""
+    logger.info("training stream: %d documents read, %d held out, %d duplicates within a shard dropped",
+                consumed["documents"], consumed["held_out_documents"], consumed["duplicate_documents"])
+    train = data.train.source
+    split = train.split.describe() if train.split else {"method": "held-out source",
+                                                        "eval_dataset": script_args.eval_dataset}
+    return {
+        "source": script_args.dataset, "corpus": train.corpus.report(),
+        "eval_corpus": None if train.split else data.validation.corpus.report(),
+        "train_tokens_sha256": consumed["sha256"],
+        "train_tokens_sha256_scheme": "sha256 over the ranks' chained digests (32 bytes each, rank order); a "
+                                      "rank's chain: c0 = sha256(b''), c_b = sha256(c_(b-1) + batch b's input_ids as "
+                                      "int64 little-endian) over its consumed batches, across resumes",
+        "split": {**split, "validation_documents": data.eval_counts["documents"],
+                  "validation_rows": len(data.eval_rows), "training_documents_read": consumed["documents"],
+                  "held_out_documents_skipped": consumed["held_out_documents"],
+                  "duplicate_documents_skipped": consumed["duplicate_documents"],
+                  "validation_duplicate_documents_skipped": data.eval_counts["duplicates"]},
+        "packing": {"train": consumed["packing"], "validation": data.eval_report.as_dict()},
+        "stream": {"shuffle_buffer": script_args.shuffle_buffer, "packing_buffer": script_args.packing_buffer,
+                   "ranks": consumed["ranks"]},
+    }

@@ -1,0 +1,143 @@
+"""What a full SFT run takes from the pretraining run of its base, as nanochat's chat SFT does
+(karpathy/nanochat 92d63d4, scripts/chat_sft.py): the sequence length, the batch, the group learning rates and the
+optimizer's state, unless given. Decided once, while the arguments are parsed (`decide_from_base`, called by
+`hfl3.trainers.arguments.check_sft_inputs`); the builder applies the settings and logs each with its source.
+
+| setting | from the base's `metadata.json` (a `recipes/pretrain.py` output) | when |
+|---|---|---|
+| `max_length`, `per_device_train_batch_size` | `training_args` | every weight trained (`--use_peft false`) |
+| `gradient_accumulation_steps` | `compute_optimal.total_batch_size` tokens / (rows × `max_length` × processes) | same |
+| `matrix_lr`, `embedding_lr`, ... (`GroupLearningRates`), `batch_lr_scale` | `training_args`, `compute_optimal.lr_scale` | with `--optim muon` |
+| the optimizer's state (`--load_optimizer`) | the base folder's `optimizer.safetensors` | its optimizer is this run's |
+
+A full fine-tuning with AdamW takes TRL's learning rate, 2e-5, unless given (hfl3's 2e-4 is LoRA's).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import fields
+from pathlib import Path
+
+from safetensors import safe_open
+
+from hfl3.errors import InputError
+from hfl3.optim.settings import GroupLearningRates
+from hfl3.optim.state_file import FILE as OPTIMIZER_FILE
+from hfl3.optim.state_file import read_header, state_problem
+
+logger = logging.getLogger(__name__)
+
+FULL_FINE_TUNING_LEARNING_RATE = 2e-5
+"""TRL's `SFTConfig.learning_rate` default (trl 1.16), for a full fine-tuning with AdamW."""
+LEARNING_RATES = tuple(item.name for item in fields(GroupLearningRates))
+
+
+def pretraining_metadata(name_or_path: str) -> dict | None:
+    """The `metadata.json` of a local base folder that `recipes/pretrain.py` wrote (it has `compute_optimal` and
+    `training_args`), else None."""
+    path = Path(name_or_path) / "metadata.json"
+    try:
+        metadata = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return metadata if isinstance(metadata, dict) and "compute_optimal" in metadata and "training_args" in metadata \
+        else None
+
+
+def weight_shapes(folder: str | Path) -> dict[str, tuple]:
+    """`{name: shape}` of the tensors in a model folder's `.safetensors` files, read from their headers."""
+    shapes = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        if file.name == OPTIMIZER_FILE:
+            continue
+        with safe_open(str(file), "pt") as handle:
+            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+    return shapes
+
+
+def optimizer_class(training_args) -> str | None:
+    """The class name of the optimizer this run will build: MuonAdamW, torch's AdamW (`--optim adamw_torch*`), else
+    None (a state file of another optimizer is not read)."""
+    if training_args.use_muon:
+        return "MuonAdamW"
+    return "AdamW" if str(getattr(training_args.optim, "value", training_args.optim)).startswith("adamw_torch") \
+        else None
+
+
+def decide_from_base(model_args, training_args, given: frozenset[str]) -> tuple[dict[str, tuple], Path | None]:
+    """The settings a run takes from its base (module docstring), and the optimizer state file to warm-start from.
+
+    Returns:
+        `({name: (value, source)}, path or None)`: `source` says where the value comes from, for the log.
+
+    Raises:
+        InputError: `--load_optimizer true` where it cannot act (LoRA, no state file, another optimizer's state,
+            another model's shapes, DeepSpeed or FSDP); a base total batch the rows, length and processes do not
+            divide.
+    """
+    settings: dict[str, tuple] = {}
+    full = not model_args.use_peft
+    if full and not training_args.use_muon and "learning_rate" not in given:
+        settings["learning_rate"] = (FULL_FINE_TUNING_LEARNING_RATE, "full fine-tuning's default (TRL's SFTConfig)")
+    base = pretraining_metadata(model_args.model_name_or_path) if full else None
+    if base is not None:
+        pretrain_args, plan = base["training_args"], base["compute_optimal"] or {}
+        source = "the base's metadata.json"
+        for name in ("max_length", "per_device_train_batch_size"):
+            if name not in given and pretrain_args.get(name) is not None:
+                settings[name] = (pretrain_args[name], f"{source}, training_args.{name}")
+        total = plan.get("total_batch_size")
+        if total and "gradient_accumulation_steps" not in given:
+            rows = settings.get("per_device_train_batch_size", (training_args.per_device_train_batch_size,))[0]
+            length = settings.get("max_length", (training_args.max_length,))[0]
+            per_step = rows * length * training_args.world_size
+            if total % per_step:
+                raise InputError(f"the base's total batch of {total} tokens is not a multiple of {rows} rows x "
+                                 f"{length} tokens x {training_args.world_size} processes = {per_step}; pass "
+                                 "--gradient_accumulation_steps, or a --per_device_train_batch_size that divides it")
+            settings["gradient_accumulation_steps"] = (
+                total // per_step, f"{source}, compute_optimal.total_batch_size {total} tokens / ({rows} rows x "
+                f"{length} tokens x {training_args.world_size} processes)")
+        if training_args.use_muon:
+            for name in LEARNING_RATES:
+                if name not in given and pretrain_args.get(name) is not None:
+                    settings[name] = (pretrain_args[name], f"{source}, training_args.{name}")
+            if plan.get("lr_scale"):
+                settings["batch_lr_scale"] = (plan["lr_scale"], f"{source}, compute_optimal.lr_scale")
+    return settings, _optimizer_state(model_args, training_args)
+
+
+def _optimizer_state(model_args, training_args) -> Path | None:
+    wanted = training_args.load_optimizer
+    if wanted and model_args.use_peft:
+        raise InputError("--load_optimizer true: LoRA trains new adapter weights that the base's optimizer never "
+                         "saw; drop --load_optimizer, or train every weight (--use_peft false)")
+    if model_args.use_peft or wanted is False:
+        return None
+    folder = Path(model_args.model_name_or_path)
+    state, problem = folder / OPTIMIZER_FILE, None
+    expected = optimizer_class(training_args)
+    if not state.is_file():
+        problem = (f"--model_name_or_path {model_args.model_name_or_path} has no {OPTIMIZER_FILE} (recipes/pretrain.py "
+                   "writes one with its final model)")
+    elif training_args.deepspeed or training_args.fsdp:
+        problem = "DeepSpeed and FSDP shard the optimizer; the state file holds whole parameters"
+    elif expected is None:
+        problem = f"--optim {training_args.optim} is neither muon nor adamw_torch, whose states the file can hold"
+    else:
+        try:
+            problem = state_problem(read_header(state), weight_shapes(folder), expected)
+        except (OSError, ValueError) as error:
+            problem = f"{state.name} is unreadable ({str(error).splitlines()[0]})"
+        if problem:
+            problem = f"the base's {OPTIMIZER_FILE} does not fit this run: {problem}"
+    if problem and wanted:
+        raise InputError(f"--load_optimizer true: {problem}; pass --load_optimizer false to start the optimizer "
+                         "fresh")
+    if problem:
+        if state.is_file():
+            logger.info("optimizer: a fresh one (%s)", problem)
+        return None
+    return state

@@ -1,0 +1,210 @@
+"""The chat stage after pretraining: full-parameter SFT (`--use_peft false`) of any causal LM, MuonAdamW in SFT
+(`--optim muon`) with the settings and optimizer state of the base's pretraining run (nanochat's chat SFT), and the
+provenance chain from the corpus to the chat model."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from hfl3 import L3GPTConfig, L3GPTForCausalLM
+from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
+from hfl3.generation import answer_prompts
+from hfl3.optim import create_muon_optimizer
+from hfl3.optim.state_file import load_optimizer_state, read_header, save_optimizer_state
+from hfl3.provenance import read_chain
+from hfl3.trainers.arguments import parse_recipe_args
+from hfl3.trainers.pretrain import PretrainConfig
+from hfl3.trainers.sft_builder import build_sft_trainer
+
+PROMPT = "What is 2 + 3?"
+
+
+def tiny_l3gpt(vocab_size: int, hidden_layers: int = 2) -> L3GPTForCausalLM:
+    torch.manual_seed(0)
+    return L3GPTForCausalLM(L3GPTConfig.from_depth(hidden_layers, vocab_size=vocab_size, aspect_ratio=32,
+                                                   head_dim=32, max_position_embeddings=128, l3_after_layers=[0],
+                                                   l3_k_max=8, l3_d_up=32))
+
+
+def train_steps(model, optimizer, steps: int = 2) -> None:
+    for _ in range(steps):
+        ids = torch.randint(model.config.vocab_size, (2, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_an_optimizer_state_round_trips_by_name_and_keeps_the_new_runs_settings(tmp_path):
+    model = tiny_l3gpt(256)
+    args = PretrainConfig(output_dir=str(tmp_path), optim="muon", report_to="none", max_steps=10)
+    optimizer = create_muon_optimizer(model, args)
+    train_steps(model, optimizer)
+    path = save_optimizer_state(optimizer, model, tmp_path / "optimizer.safetensors")
+    assert read_header(path)["optimizer"] == "MuonAdamW"
+    fresh = create_muon_optimizer(model, args, matrix_lr=0.5)  # another run's settings
+    fresh.param_groups.reverse()  # and another group order: the state is matched by name
+    assert load_optimizer_state(fresh, model, path) == sum(len(g["params"]) for g in optimizer.param_groups)
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            for key, value in optimizer.state[parameter].items():
+                assert torch.equal(fresh.state[parameter][key], value), key
+    matrices = next(g for g in fresh.param_groups if g["name"] == "matrix")
+    assert matrices["lr"] == 0.5 and matrices["step"] == 0  # this run's LR, and its schedules start over
+    with pytest.raises(ValueError, match="has shape"):  # another model's shapes
+        load_optimizer_state(create_muon_optimizer(tiny_l3gpt(320), args), tiny_l3gpt(320), path)
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="holds MuonAdamW's state, and this run's optimizer is AdamW"):
+        load_optimizer_state(adamw, model, path)
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory, assets):
+    folder = tmp_path_factory.mktemp("chats")
+    records = [{"messages": list(r.messages)} for r in read_chat_jsonl(assets / "chat" / "gsm8k_messages_train.jsonl")]
+    short = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                           {"role": "assistant", "content": f"{a} + {b} = {a + b}."}]}
+             for a in range(6) for b in range(4)]
+    return write_chat_jsonl(short, folder / "train.jsonl"), write_chat_jsonl(records[:8], folder / "gsm8k.jsonl")
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory, assets):
+    folder = tmp_path_factory.mktemp("qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                                 tie_word_embeddings=True)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, pretrain_recipe, repo_root):
+    """A tiny L3GPT pretrained by the recipe with Muon: its folder keeps the optimizer state."""
+    output = tmp_path_factory.mktemp("pretrained") / "out"
+    script, model, args, setup = parse_recipe_args(pretrain_recipe.make_parser(), [
+        "--config", str(repo_root / "recipes" / "configs" / "pretrain_tiny.yaml"), "--output_dir", str(output),
+        "--optim", "muon", "--max_steps", "4", "--tokenizer_train_chars", "100000", "--l3_sample_tokens", "20000",
+        "--max_eval_rows", "4", "--eval_strategy", "no", "--disable_tqdm", "true", "--report_to", "none",
+        "--dataloader_num_workers", "0", "--total_batch_size", "1024"])
+    pretrain_recipe.main(script, args, model, setup)
+    return output
+
+
+def sft(sft_recipe, base, train, output, *extra):
+    script, model, args, setup = parse_recipe_args(sft_recipe.make_parser(), [
+        "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path", str(base), "--train_file", str(train),
+        "--output_dir", str(output), "--use_peft", "false", "--max_steps", "3", "--sample_prompts", PROMPT,
+        "--max_new_tokens", "6", *extra])
+    return sft_recipe.main(script, args, model, setup), setup
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base", ["l3gpt", "qwen3"])
+def test_full_sft_trains_every_weight_and_writes_a_complete_model_folder(tmp_path, base, chats, qwen3_folder,
+                                                                         pretrained, sft_recipe, monkeypatch,
+                                                                         repo_root):
+    monkeypatch.chdir(repo_root)
+    folder = pretrained if base == "l3gpt" else qwen3_folder
+    before = load_file(folder / "model.safetensors")
+    sft(sft_recipe, folder, chats[0], tmp_path / "out", "--learning_rate", "1e-3")
+    out = tmp_path / "out"
+    assert not (out / "adapter_config.json").exists()
+    after = load_file(out / "model.safetensors")
+    tied = {"lm_head.weight"} if base == "qwen3" else set()
+    assert set(after) == set(before) - tied
+    parameters = {name for name, _ in AutoModelForCausalLM.from_pretrained(folder).named_parameters()}
+    unchanged = [name for name in parameters & set(after) if torch.equal(after[name], before[name])]
+    assert not unchanged, unchanged  # every weight trained (buffers, such as L3's bounds, stay)
+    if base == "l3gpt":
+        assert (out / "modeling_l3gpt.py").is_file()  # remote code: loads without hfl3
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    samples = json.loads((out / "samples.json").read_text())
+    reloaded = answer_prompts(model, tokenizer, [PROMPT], 6)
+    assert [s["answer"] for s in samples] == [s["answer"] for s in reloaded]  # the folder is the trained model
+    metadata = json.loads((out / "metadata.json").read_text())
+    assert metadata["lora"] is None and metadata["training_args"]["learning_rate"] == 1e-3
+
+
+@pytest.mark.slow
+def test_muon_sft_inherits_the_pretraining_run_and_warm_starts_its_optimizer(tmp_path, chats, pretrained,
+                                                                             sft_recipe, monkeypatch, repo_root,
+                                                                             caplog):
+    monkeypatch.chdir(repo_root)
+    pretrain_metadata = json.loads((pretrained / "metadata.json").read_text())
+    script, model, args, setup = parse_recipe_args(sft_recipe.make_parser(), [
+        "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path", str(pretrained), "--train_file",
+        str(chats[0]), "--output_dir", str(tmp_path / "out"), "--use_peft", "false", "--optim", "muon",
+        "--max_steps", "2", "--matrix_lr", "0.01"])
+    assert setup.optimizer_state == pretrained / "optimizer.safetensors"
+    inherited = {name: value for name, (value, _) in setup.settings.items()}
+    assert "max_length" not in inherited  # given by sft_tiny.yaml
+    assert "matrix_lr" not in inherited  # given on the command line
+    assert inherited["embedding_lr"] == pretrain_metadata["training_args"]["embedding_lr"]
+    assert inherited["batch_lr_scale"] == pretrain_metadata["compute_optimal"]["lr_scale"]
+    assert inherited["gradient_accumulation_steps"] * 4 * 128 == pretrain_metadata["compute_optimal"][
+        "total_batch_size"]
+    with caplog.at_level(logging.INFO, logger="hfl3"):
+        run = build_sft_trainer(script, args, model, setup)
+    assert "gradient_accumulation_steps = " in caplog.text and "compute_optimal.total_batch_size" in caplog.text
+    trainer = run.trainer
+    optimizer = trainer.create_optimizer()
+    groups = {g["name"]: g for g in optimizer.param_groups}
+    assert groups["matrix"]["kind"] == "muon" and groups["l3_table"]["kind"] == "adamw"
+    # the warm start: every parameter's state is the pretraining run's (names as pretraining saved them)
+    saved = load_file(pretrained / "optimizer.safetensors")
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            for key, value in optimizer.state[parameter].items():
+                assert torch.equal(value.cpu().to(saved[f"{names[id(parameter)]}/{key}"].dtype),
+                                   saved[f"{names[id(parameter)]}/{key}"]), (names[id(parameter)], key)
+    assert groups["matrix"]["lr"] == pytest.approx(0.01 * args.batch_lr_scale * args.init_lr_frac)
+
+
+def run_recipe_cli(repo_root, *arguments) -> list[str]:
+    """The SFT recipe run as a user runs it; asserts it ended with one line and exit status 2 before any work, and
+    returns its stderr lines."""
+    result = subprocess.run([sys.executable, "recipes/sft_lora.py", *arguments], capture_output=True, text=True,
+                            timeout=300, cwd=repo_root, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result.stderr.strip().splitlines()
+
+
+@pytest.mark.slow
+def test_a_warm_start_that_cannot_act_is_one_line_and_exit_2(tmp_path, chats, qwen3_folder, pretrained, repo_root):
+    lines = run_recipe_cli(repo_root, "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path",
+                           str(qwen3_folder), "--train_file", str(chats[0]), "--output_dir", str(tmp_path / "a"),
+                           "--use_peft", "false", "--load_optimizer", "true")
+    assert lines[-1].endswith("has no optimizer.safetensors (recipes/pretrain.py writes one with its final model); "
+                              "pass --load_optimizer false to start the optimizer fresh")
+    lines = run_recipe_cli(repo_root, "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path",
+                           str(pretrained), "--train_file", str(chats[0]), "--output_dir", str(tmp_path / "b"),
+                           "--use_peft", "false", "--load_optimizer", "true")  # AdamW over a Muon state
+    assert "holds MuonAdamW's state, and this run's optimizer is AdamW" in lines[-1]
+    lines = run_recipe_cli(repo_root, "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path",
+                           str(pretrained), "--train_file", str(chats[0]), "--output_dir", str(tmp_path / "c"),
+                           "--optim", "muon")
+    assert "--optim muon with LoRA" in lines[-1]
+
+
+@pytest.mark.slow
+def test_the_provenance_chain_runs_from_the_chat_model_back_to_the_corpus(tmp_path, chats, pretrained, sft_recipe,
+                                                                           monkeypatch, repo_root):
+    monkeypatch.chdir(repo_root)
+    sft(sft_recipe, pretrained, chats[0], tmp_path / "out")
+    chain = read_chain(tmp_path / "out")
+    pretrain_metadata = json.loads((pretrained / "metadata.json").read_text())
+    assert [link["kind"] for link in chain] == ["full SFT model", "pretrained base"]
+    assert chain[1]["git_commit"] == pretrain_metadata["git_commit"]
+    assert chain[1]["data"]["train_tokens_sha256"] == pretrain_metadata["data"]["train_tokens_sha256"]
+    assert str(tmp_path) not in json.dumps(chain)
