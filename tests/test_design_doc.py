@@ -16,7 +16,8 @@ TOP_LEVEL = ("src/", "tests/", "benchmarks/", "recipes/", "integrations/", "dev/
 # datasets, huggingface_hub, vLLM) or from nanochat, which hfl3's own code never spells out. Each is checked to be
 # cited, so the list cannot outlive the text.
 EXTERNAL = {
-    "nanochat/gpt.py", "base_train.py",  # karpathy/nanochat's files
+    "nanochat/gpt.py", "base_train.py", "scripts/chat_sft.py",  # karpathy/nanochat's files
+    "trl/scripts/sft.py", "CheckpointManager",  # TRL's SFT script, torchtitan's checkpointing component
     "ChildFailedError", "HFValidationError", "AutoPeftModelForCausalLM", "ModelCardData", "IterableDatasetShard",
     "OptimizerNames", "ShortConv", "MambaBase", "SHORT_CONV", "ReLUSquaredActivation",
     "StaticCache", "DynamicLayer", "LinearAttentionLayer", "LogitsProcessor", "main_process_first", "all_to_all",

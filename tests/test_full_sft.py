@@ -22,6 +22,7 @@ from hfl3.provenance import read_chain
 from hfl3.trainers.arguments import parse_recipe_args
 from hfl3.trainers.pretrain import PretrainConfig
 from hfl3.trainers.sft_builder import build_sft_trainer
+from hfl3.trainers.sft_inheritance import decide_from_base
 
 PROMPT = "What is 2 + 3?"
 
@@ -151,11 +152,17 @@ def test_muon_sft_inherits_the_pretraining_run_and_warm_starts_its_optimizer(tmp
     assert "matrix_lr" not in inherited  # given on the command line
     assert inherited["embedding_lr"] == pretrain_metadata["training_args"]["embedding_lr"]
     assert inherited["batch_lr_scale"] == pretrain_metadata["compute_optimal"]["lr_scale"]
-    assert inherited["gradient_accumulation_steps"] * 4 * 128 == pretrain_metadata["compute_optimal"][
-        "total_batch_size"]
+    assert "gradient_accumulation_steps" not in inherited  # the batch is the config's own (rows and length given)
+    whole, _ = decide_from_base(model, args, frozenset())  # nothing given: the base run's batch as a whole
+    pretrain_args = pretrain_metadata["training_args"]
+    assert whole["max_length"][0] == pretrain_args["max_length"] and whole["per_device_train_batch_size"][0] == \
+        pretrain_args["per_device_train_batch_size"]
+    assert whole["gradient_accumulation_steps"][0] * pretrain_args["per_device_train_batch_size"] * \
+        pretrain_args["max_length"] == pretrain_metadata["compute_optimal"]["total_batch_size"]
+    assert "compute_optimal.total_batch_size" in whole["gradient_accumulation_steps"][1]
     with caplog.at_level(logging.INFO, logger="hfl3"):
         run = build_sft_trainer(script, args, model, setup)
-    assert "gradient_accumulation_steps = " in caplog.text and "compute_optimal.total_batch_size" in caplog.text
+    assert "embedding_lr = " in caplog.text and "training_args.embedding_lr" in caplog.text  # logged with its source
     trainer = run.trainer
     optimizer = trainer.create_optimizer()
     groups = {g["name"]: g for g in optimizer.param_groups}

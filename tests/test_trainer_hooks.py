@@ -4,12 +4,19 @@ quietly losing it. Everything else hfl3's trainers change goes through public ho
 `compute_loss`, `create_optimizer`, `get_train_dataloader`, `get_batch_samples`, `log`, `save_model`, `train`)."""
 
 import inspect
+import itertools
 
+import datasets
 import pytest
-from transformers import Trainer
+import torch
+from transformers import Trainer, TrainerCallback
 from trl import SFTTrainer
 
-from hfl3.trainers.pretrain import PretrainTrainer
+from hfl3 import L3GPTConfig, L3GPTForCausalLM
+from hfl3.trainers.guards import NonFiniteGuard, NonFiniteTrainingError
+from hfl3.trainers.optimizers import OptimizerMixin
+from hfl3.trainers.output_mixins import PretrainOutputs
+from hfl3.trainers.pretrain import PackedCollator, PretrainConfig, PretrainTrainer
 from hfl3.trainers.sft import ChatSFTTrainer
 
 EMPTY = inspect.Parameter.empty
@@ -45,3 +52,33 @@ def test_no_other_private_trainer_method_is_overridden(trainer_class, base):
     # and the pinned ones are really in use (a stale entry above would pin nothing)
     assert {"_save_checkpoint", "_get_grad_norm"} <= overridden
     assert ("_track_num_input_tokens" in overridden) == (trainer_class is PretrainTrainer)
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations([NonFiniteGuard, OptimizerMixin, PretrainOutputs])),
+                         ids=lambda order: "-".join(cls.__name__ for cls in order))
+def test_the_mixins_work_in_any_order(order, tmp_path):
+    """Each order of the three mixins before the Trainer: MuonAdamW is built, a checkpoint is staged and committed,
+    and a NaN at step 2 stops the run before anything of that step is saved (docs/design.md, decision 19)."""
+    trainer_class = type("Trainer_" + "_".join(cls.__name__ for cls in order), (*order, Trainer), {})
+    torch.manual_seed(0)
+    model = L3GPTForCausalLM(L3GPTConfig.from_depth(1, vocab_size=64, aspect_ratio=64, head_dim=32,
+                                                    max_position_embeddings=16))
+    rows = datasets.Dataset.from_dict({"input_ids": torch.randint(1, 64, (16, 16)).tolist()})
+    args = PretrainConfig(output_dir=str(tmp_path), optim="muon", max_steps=4, save_steps=1, max_length=16,
+                          per_device_train_batch_size=4, logging_steps=1, eval_strategy="no", report_to="none",
+                          disable_tqdm=True, dataloader_num_workers=0, use_cpu=True)
+
+    class Poison(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:  # step 2's forward reads a NaN weight
+                with torch.no_grad():
+                    model.model.embed_tokens.weight.fill_(float("nan"))
+
+    trainer = trainer_class(model=model, args=args, train_dataset=rows, data_collator=PackedCollator(0, True),
+                            callbacks=[Poison()])
+    with pytest.raises(NonFiniteTrainingError, match="training diverged at step 2"):
+        trainer.train()
+    assert type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__ \
+        == "MuonAdamW"
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert (tmp_path / "checkpoint-1" / "hfl3_run.json").is_file()

@@ -141,6 +141,8 @@ def sft_run(name: str, base_model: Path, chats: Path | int, output_dir: Path, pe
 
 
 CHECKPOINTED = ("--save_strategy", "steps", "--save_steps", str(CHECKPOINT_STEP))
+# Every weight with MuonAdamW (the chat stage after pretraining); nanochat's schedule, at the AdamW base's LRs
+FULL_MUON = ("--use_peft", "false", "--optim", "muon", "--lr_scheduler_type", "warmup_stable_decay")
 TWO_STREAMS_ONE_PROCESS = ("--dataloader_num_workers", "2", "--gradient_accumulation_steps", "2")
 
 
@@ -182,6 +184,7 @@ def reference(distributed_dir, sft_chats) -> Launch:
         pretrain_run("pretrain_muon", out / "pretrain_muon", 4, *TWO_STREAMS_ONE_PROCESS, "--optim", "muon"),
         pretrain_run("pretrain_half_batch", out / "pretrain_half_batch", 4, record_gradients=True),
         sft_run("sft_lora", out / "pretrain_adamw", sft_chats, out / "sft_lora", 4),
+        sft_run("sft_full_muon", out / "pretrain_adamw", sft_chats, out / "sft_full_muon", 4, *FULL_MUON),
     ], out, env={"OMP_NUM_THREADS": "1"})  # as torchrun sets for each rank; 2 threads on a busy 2-core box crawl
 
 
@@ -203,6 +206,8 @@ def ddp(distributed_dir, sft_base, sft_chats) -> Launch:
                      record_rows=True, record_gradients=True),
         pretrain_run("pretrain_muon", out / "pretrain_muon", 4, "--use_cpu", "--optim", "muon"),
         sft_run("sft_lora", sft_base, sft_chats, out / "sft_lora", 2, "--use_cpu", continue_on_error=True),
+        sft_run("sft_full_muon", sft_base, sft_chats, out / "sft_full_muon", 2, "--use_cpu", *FULL_MUON,
+                continue_on_error=True),
     ], out)
 
 
@@ -230,6 +235,8 @@ def zero2(distributed_dir, sft_base, sft_chats) -> Launch:
                      *resumed_from(out / "pretrain_adamw"), record_rows=True),
         *muon_and_resumed(out, *gloo),
         sft_run("sft_lora", sft_base, sft_chats, out / "sft_lora", 2, *gloo, continue_on_error=True),
+        sft_run("sft_full_muon", sft_base, sft_chats, out / "sft_full_muon", 2, *gloo, *FULL_MUON,
+                continue_on_error=True),
     ], out)
 
 
@@ -243,6 +250,8 @@ def zero3(distributed_dir, sft_base, sft_chats) -> Launch:
         pretrain_run("pretrain_adamw", out / "pretrain_adamw", 4, *gloo, record_gradients=True),
         *muon_and_resumed(out, *gloo),
         sft_run("sft_lora", sft_base, sft_chats, out / "sft_lora", 2, *gloo, continue_on_error=True),
+        sft_run("sft_full_muon", sft_base, sft_chats, out / "sft_full_muon", 2, *gloo, *FULL_MUON,
+                continue_on_error=True),
     ], out)
 
 

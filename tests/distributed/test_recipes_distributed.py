@@ -282,6 +282,24 @@ def test_sft_lora_first_step_equals_single_process(request, reference, sft_base,
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[name], saved[name]) for name in saved)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp", "zero2", "zero3"])
+def test_full_sft_with_muon_first_step_equals_single_process(request, reference, sft_base, distributed_dir, config):
+    """Every weight trained with MuonAdamW (`--use_peft false --optim muon`): the first step's gradients of every
+    parameter (2 processes x 2 chats against 1 x 4) within the tolerance; the run lowers the eval loss and writes a
+    whole model folder that loads."""
+    launch = request.getfixturevalue(config)
+    assert_world_size(launch, "sft_full_muon")
+    metrics = launch.metrics("sft_full_muon")
+    reference.metrics("sft_full_muon")
+    assert metrics["eval_loss"] < metrics["eval_before_loss"], metrics
+    assert_gradients_close(first_step_gradients(distributed_dir / config, "sft_full_muon"),
+                           first_step_gradients(distributed_dir / "single", "sft_full_muon"),
+                           SFT_POSITIONS, hidden_size(sft_base), f"{config} sft_full_muon")
+    assert not (distributed_dir / config / "sft_full_muon" / "adapter_config.json").exists()
+    assert_loads(distributed_dir / config / "sft_full_muon")
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_fsdp2_pretrain_on_gpus(fsdp2_gpu, distributed_dir):

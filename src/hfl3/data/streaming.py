@@ -8,7 +8,8 @@ as there are (process, DataLoader worker) pairs, each stream's state small enoug
   `n`-th document of each shard when there are fewer shards than streams, like `datasets.distributed.
   split_dataset_by_node`), reads them in a seeded order that changes every epoch, and loops forever (training) or
   stops after `epochs`. A document that repeats an earlier one of the same shard (exactly) is dropped and counted
-  (`ShardDuplicates`).
+  (`ShardDuplicates`), as are records without text (`hfl3.data.sources.TEXT_DROPS`); every count is part of the
+  stream's state, so it survives a resume, and `StreamProgress.summary` sums it over the worker streams.
 - `PackedStream`: a `torch` `IterableDataset` of rows `(max_seq_len,)`; `reader(i, n, snapshot)` is stream `i` of `n`
   as a `StreamReader`, which holds that stream's buffers and whose `snapshot()` is its exact state (position in the
   corpus, buffered pieces, shuffle RNG, counters).
@@ -37,8 +38,9 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from hfl3.data.packing import BestFitPacker, PackingReport, chunk_text, concatenate_documents, split_concatenated
-from hfl3.data.sources import Corpus
+from hfl3.data.sources import TEXT_DROPS, Corpus
 from hfl3.atomic import atomic_path
+from hfl3.errors import InputError
 
 DATA_STATE_KEY = "data_state"
 STATE_FILE = "data_state_rank{rank}.safetensors"
@@ -46,6 +48,7 @@ SHUFFLE_RNG_TAG = 2**32 - 1  # the shuffle buffer's seed `[seed, stream, TAG]`; 
 _EMPTY_SHA256 = hashlib.sha256().hexdigest()
 logger = logging.getLogger(__name__)
 MAX_SHARD_DIGESTS = 1 << 18  # per stream: ~18 MB of Python ints at most
+SKIP_REASONS = ("held_out", "duplicates", *TEXT_DROPS)  # why a stream leaves a document out, as `batches` counts it
 
 
 class DocumentSplit:
@@ -137,12 +140,12 @@ class DocumentSource:
         return self.split is None or self.split.is_validation(text) == self.validation
 
     def batches(self, stream: int = 0, num_streams: int = 1, position: dict | None = None) -> Iterator[tuple]:
-        """`(kept_texts, skipped, position)` per batch read: `skipped` counts the documents left out,
-        `{"held_out": of the other side, "duplicates": repeats within the shard}`; `position` resumes right after the
-        batch.
+        """`(kept_texts, skipped, position)` per batch read: `skipped` counts the documents left out by reason
+        (`SKIP_REASONS`): `held_out` (of the other side), `duplicates` (repeats within the shard), `missing_text` and
+        `empty_text` (records without text, `Shard.read_counted`); `position` resumes right after the batch.
 
         Raises:
-            ValueError: a whole epoch over the owned shards yields no document of this side.
+            InputError: a whole epoch over the owned shards yields no document of this side.
         """
         shards = self.corpus.shards
         if len(shards) >= num_streams:
@@ -155,30 +158,53 @@ class DocumentSource:
             order = owned
             if self.shuffle_shards:
                 order = [owned[i] for i in np.random.default_rng([self.seed, stream, epoch]).permutation(len(owned))]
-            start, read, kept_in_epoch, duplicates_in_epoch = position["shard"], position["read"], 0, 0
+            start, read, kept_in_epoch = position["shard"], position["read"], 0
+            skipped_in_epoch = dict.fromkeys(SKIP_REASONS, 0)
             for index in range(start, len(order)):
                 shard = shards[order[index]]
                 duplicates = ShardDuplicates.replay(shard, read, self.read_batch, stride) if self.deduplicate else None
-                for texts, read in shard.read(read, self.read_batch, stride):
+                for texts, read, dropped in shard.read_counted(read, self.read_batch, stride):
                     repeated = 0
                     if duplicates is not None:
                         texts, repeated = duplicates.drop(texts)
                     kept = [text for text in texts if self.keep(text)]
                     kept_in_epoch += len(kept)
-                    duplicates_in_epoch += repeated
-                    yield kept, {"held_out": len(texts) - len(kept), "duplicates": repeated}, \
-                        {"epoch": epoch, "shard": index, "read": read}
+                    skipped = {"held_out": len(texts) - len(kept), "duplicates": repeated, **dropped}
+                    for reason, count in skipped.items():
+                        skipped_in_epoch[reason] += count
+                    yield kept, skipped, {"epoch": epoch, "shard": index, "read": read}
                 read = None
-            if duplicates_in_epoch:
-                logger.info("stream %d of %d, epoch %d: dropped %d document(s) repeating an earlier one of their shard",
-                            stream, num_streams, epoch, duplicates_in_epoch)
+            if any(skipped_in_epoch[reason] for reason in ("duplicates", *TEXT_DROPS)):
+                logger.info("stream %d of %d, epoch %d: dropped %d document(s) repeating an earlier one of their "
+                            "shard, %d without text (missing or null), %d empty", stream, num_streams, epoch,
+                            *(skipped_in_epoch[reason] for reason in ("duplicates", *TEXT_DROPS)))
             if start == 0 and not kept_in_epoch:
-                side = "validation" if self.validation else "training"
-                raise ValueError(f"stream {stream} of {num_streams} found no {side} document in {len(owned)} shard(s) "
-                                 f"of {self.corpus.spec!r}; add data, use fewer processes/DataLoader workers, or "
-                                 "change --val_fraction / --eval_dataset")
+                raise InputError(self._no_document_message(stream, num_streams, len(owned), skipped_in_epoch))
             epoch += 1
             position = {"epoch": epoch, "shard": 0, "read": None}
+
+    def _no_document_message(self, stream: int, num_streams: int, shards: int, skipped: dict[str, int]) -> str:
+        side, other = ("validation", "training") if self.validation else ("training", "validation")
+        words = {"held_out": f"on the {other} side", "duplicates": "repeated", "missing_text": "without text",
+                 "empty_text": "empty"}
+        left = ", ".join(f"{count} {words[reason]}" for reason, count in skipped.items() if count) or "none"
+        fix = "raise --val_fraction or pass --eval_dataset" if self.validation else \
+            "add data" + (", lower --val_fraction" if self.split else "") + \
+            (", or use fewer processes/DataLoader workers" if num_streams > 1 else "")
+        return (f"stream {stream} of {num_streams} found no {side} document in {shards} shard(s) of "
+                f"{self.corpus.spec!r} (read: {left}); {fix}")
+
+    def require_document(self) -> str:
+        """The first document of this side (stream 0 of 1, the first epoch, in reading order): about
+        `1 / val_fraction` documents are read on the validation side of a hash split, the whole corpus only when it
+        holds none. Call it before the work the documents are for (training a tokenizer), so that a corpus too small
+        for its split stops the run at once.
+
+        Raises:
+            InputError: no document of this side in the whole corpus (the line names --val_fraction /
+                --eval_dataset).
+        """
+        return next(text for texts, _, _ in DocumentSource(**{**vars(self), "epochs": 1}).batches() for text in texts)
 
     def sample_texts(self, max_chars: int) -> Iterator[str]:
         """Documents from the start of stream 0 of 1 (the first epoch), the last one cut, until `max_chars`
@@ -286,7 +312,7 @@ class StreamReader:
         self.packer = BestFitPacker(packed.max_seq_len, packed.packing_buffer)
         self.rng = np.random.default_rng([packed.source.seed, stream, SHUFFLE_RNG_TAG])
         self.documents: list[tuple[int, np.ndarray]] = []  # (key, tokens) pieces waiting in the shuffle buffer
-        self.position, self.counts, self.keys = None, {"documents": 0, "held_out": 0, "duplicates": 0}, 0
+        self.position, self.counts, self.keys = None, dict.fromkeys(("documents", *SKIP_REASONS), 0), 0
         self._arrived: dict[int, np.ndarray] = {}  # pieces tokenized since the last update()
         if snapshot is not None:
             self._restore(snapshot)
@@ -300,8 +326,8 @@ class StreamReader:
                 break
             texts, skipped, self.position = batch
             self.counts["documents"] += len(texts)
-            self.counts["held_out"] += skipped["held_out"]
-            self.counts["duplicates"] += skipped["duplicates"]
+            for reason, count in skipped.items():
+                self.counts[reason] += count
             pieces = list(enumerate(self.packed.tokenize(texts), start=self.keys))
             self.keys += len(pieces)
             self._arrived.update(pieces)
@@ -434,9 +460,10 @@ class StreamProgress:
                 for role, latest in self.latest.items()}
 
     def summary(self) -> dict:
-        """JSON-safe: batches, digest, the packing report and document counts (kept, held out, duplicates) summed over
-        the worker streams."""
-        report, counts = PackingReport(), {"documents": 0, "held_out": 0, "duplicates": 0}
+        """JSON-safe: batches, digest, the packing report and the document counts summed over the worker streams:
+        `documents` (kept), and those left out by reason, `held_out_documents`, `duplicate_documents`,
+        `missing_text_documents` (text field missing or null), `empty_text_documents` (blank text)."""
+        report, counts = PackingReport(), dict.fromkeys(("documents", *SKIP_REASONS), 0)
         for latest in self.latest.values():
             report += PackingReport.from_dict(latest["meta"]["report"])
             for key in counts:
@@ -444,8 +471,8 @@ class StreamProgress:
         epochs = [latest["meta"]["position"]["epoch"] for latest in self.latest.values()]
         return {"rank": self.rank, "batches": self.batches, "sha256": self.sha256, "packing": report.as_dict(),
                 "documents": counts["documents"], "held_out_documents": counts["held_out"],
-                "duplicate_documents": counts["duplicates"],
-                "completed_epochs": max(epochs, default=0)}
+                "duplicate_documents": counts["duplicates"], "missing_text_documents": counts["missing_text"],
+                "empty_text_documents": counts["empty_text"], "completed_epochs": max(epochs, default=0)}
 
     def save(self, folder: str | os.PathLike) -> Path:
         """`folder/data_state_rank{rank}.safetensors` (written to a temporary file, then renamed): per role and

@@ -49,7 +49,7 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20,
                 on_chunk: Callable[[bytes], None] | None = None) -> str:
     """SHA-256 of a file's bytes as a hex string (the value `sha256sum FILE` prints), read once in blocks of
     `chunk_bytes`. `on_chunk`, when given, sees every block in order as it is hashed, so a check that needs the
-    bytes too (`hfl3.data.sources.inspect_file`: size, UTF-8) costs no second read.
+    bytes too (`hfl3.data.sft_sources.open_jsonl`: the line starts of its shards) costs no second read.
 
     Raises:
         OSError: the file cannot be read.

@@ -82,6 +82,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+class NonFiniteCheck(BeforeLogSaveEvaluate):
+    """`NonFiniteGuard`'s hook: a class of its own, since the Trainer warns when one callback class is added twice
+    (the pretraining trainer adds another `BeforeLogSaveEvaluate`)."""
+
+
 class NonFiniteGuard:
     """Mixin for a `transformers.Trainer` subclass (`class MyTrainer(NonFiniteGuard, Trainer)`): stop training at
     the first non-finite loss or gradient norm with `NonFiniteTrainingError` naming the step, before anything from
@@ -99,7 +104,7 @@ class NonFiniteGuard:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.add_callback(BeforeLogSaveEvaluate(lambda control: self.check_finite(parameters=control.should_save),
+        self.add_callback(NonFiniteCheck(lambda control: self.check_finite(parameters=control.should_save),
                                                 at_train_begin=self._clear_nonfinite))
 
     def _clear_nonfinite(self) -> None:

@@ -246,7 +246,7 @@ class BitsPerByte:
         return {"bpb": float(nats[counted].sum() / (math.log(2) * max(total_bytes, 1)))}
 
 
-class PretrainTrainer(NonFiniteGuard, OptimizerMixin, PretrainOutputs, Trainer):  # NonFiniteGuard first: it checks before a save
+class PretrainTrainer(NonFiniteGuard, OptimizerMixin, PretrainOutputs, Trainer):  # any order of the mixins (decision 19)
     """HF Trainer for pretraining. Overrides the optimizer (one place: `create_optimizer`), the default WSD
     schedule's step counts and the input-token count (no device sync per step); evaluation runs with hfl3 FP8
     layers swapped back to high precision.
@@ -320,8 +320,8 @@ class PretrainTrainer(NonFiniteGuard, OptimizerMixin, PretrainOutputs, Trainer):
         combined = hashlib.sha256(b"".join(bytes.fromhex(r["sha256"]) for r in ranks)).hexdigest()
         return {"sha256": combined, "ranks": ranks, "packing": packing,
                 "documents": sum(r["documents"] for r in ranks),
-                "held_out_documents": sum(r["held_out_documents"] for r in ranks),
-                "duplicate_documents": sum(r["duplicate_documents"] for r in ranks)}
+                **{key: sum(r[key] for r in ranks) for key in ("held_out_documents", "duplicate_documents",
+                                                               "missing_text_documents", "empty_text_documents")}}
 
     def get_decay_parameter_names(self, model) -> list[str]:
         """The >= 2-D weights (norm-free model: the 1-D parameters are the per-layer scalars, not decayed)."""

@@ -9,7 +9,7 @@ import numpy as np
 
 from hfl3.data import sources
 from hfl3.data.packing import PackingReport
-from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
+from hfl3.data.streaming import SKIP_REASONS, DocumentSource, DocumentSplit, PackedStream
 from hfl3.distributed import check_same_on_all_ranks, from_main, main_writes
 from hfl3.errors import InputError
 from hfl3.tokenization import load_tokenizer, train_tokenizer
@@ -27,15 +27,18 @@ class PretrainScriptArguments:
 
     _argument_group_name = "data and tokenizer (hfl3.trainers.pretrain_data.PretrainScriptArguments)"
 
-    dataset: str = field(default="stdlib", metadata={"help": "comma-separated: stdlib, .txt/.jsonl/.json/.parquet "
-                                                     "files, folders and globs, or datasets names (Hub or disk)"})
+    dataset: str = field(default="stdlib", metadata={"help": "comma-separated: stdlib, .txt/.jsonl/.json/.parquet/"
+                                                     ".arrow files (text and JSON also .gz/.bz2/.xz), folders and "
+                                                     "globs, or datasets names (Hub or disk)"})
     dataset_config: str | None = field(default=None, metadata={"help": "configuration of a datasets source"})
     dataset_split: str = field(default="train", metadata={"help": "split of a datasets source"})
     text_column: str = field(default="text", metadata={"help": "text field of .jsonl/.json/.parquet and datasets"})
     document_separator: str | None = field(default=None, metadata={"help": "split .txt files at this string ('': "
                                                                    "whole files); default: a single .txt file is "
                                                                    "split at blank lines, others are whole"})
-    skip_invalid_files: bool = field(default=False, metadata={"help": "skip non-UTF-8/empty files (counted)"})
+    skip_invalid_files: bool = field(default=False, metadata={"help": "skip unreadable, empty or malformed files, or "
+                                                              "files without the text column (each listed with "
+                                                              "its reason in metadata.json)"})
     eval_dataset: str | None = field(default=None, metadata={"help": "held-out validation source (as --dataset; "
                                                              "its files leave the training data); default: a "
                                                              "seeded hash split of the documents"})
@@ -60,7 +63,12 @@ class PretrainScriptArguments:
 
 
 def open_data(script_args: PretrainScriptArguments, seed: int) -> tuple[DocumentSource, DocumentSource]:
-    """The training documents and the validation documents: a held-out `--eval_dataset`, else a hash split."""
+    """The training documents and the validation documents: a held-out `--eval_dataset`, else a hash split.
+
+    Raises:
+        InputError: a corpus file that is unreadable, empty or malformed without `--skip_invalid_files`
+            (`hfl3.data.sources.open_corpus`); no document on one side of the split.
+    """
     options = dict(text_column=script_args.text_column, split=script_args.dataset_split,
                    dataset_config=script_args.dataset_config, document_separator=script_args.document_separator,
                    skip_invalid=script_args.skip_invalid_files)
@@ -69,9 +77,12 @@ def open_data(script_args: PretrainScriptArguments, seed: int) -> tuple[Document
     split = None if held_out else DocumentSplit(script_args.val_fraction, seed)
     logger.info("corpus: %d shard(s), validation: %s", len(corpus.shards),
                 script_args.eval_dataset or f"hash split, {script_args.val_fraction:.0%} of the documents")
-    return (DocumentSource(corpus, split, seed=seed),
-            DocumentSource(held_out or corpus, split, validation=split is not None, seed=seed, shuffle_shards=False,
-                           epochs=1))
+    train = DocumentSource(corpus, split, seed=seed)
+    validation = DocumentSource(held_out or corpus, split, validation=split is not None, seed=seed,
+                                shuffle_shards=False, epochs=1)
+    for side in (validation, train):  # a corpus too small for its split stops here, before the tokenizer is trained
+        side.require_document()
+    return train, validation
 
 
 def prepare_tokenizer(script_args: PretrainScriptArguments, output: OutputFolder, documents: DocumentSource):
@@ -121,12 +132,13 @@ def prepare_data(script_args: PretrainScriptArguments, documents: tuple[Document
     if not evaluate:
         logger.info("--eval_strategy no: no validation rows are built (the split still holds its documents out)")
         return PretrainData(stream, eval_documents, np.empty((0, max_length), dtype=np.int64), PackingReport(),
-                            {"documents": 0, "duplicates": 0})
+                            dict.fromkeys(("documents", *SKIP_REASONS), 0))
     eval_rows, eval_report, eval_counts = from_main(lambda: PackedStream(
         eval_documents, tokenizer, max_length, max_chars, script_args.packing_buffer, shuffle_buffer=0
     ).materialize(script_args.max_eval_rows))
-    logger.info("validation: %d rows from %d documents (cropped %.2f%%, %d duplicate documents dropped)",
-                len(eval_rows), eval_counts["documents"], 100 * eval_report.cropped_share, eval_counts["duplicates"])
+    logger.info("validation: %d rows from %d documents (cropped %.2f%%; documents dropped: %d duplicates, %d without "
+                "text, %d with empty text)", len(eval_rows), eval_counts["documents"], 100 * eval_report.cropped_share,
+                eval_counts["duplicates"], eval_counts["missing_text"], eval_counts["empty_text"])
     if not len(eval_rows):
         raise InputError(f"no full validation row of {max_length} tokens ({eval_counts['documents']} validation "
                          "documents); raise --val_fraction, pass --eval_dataset or lower --max_length")
@@ -136,8 +148,9 @@ def prepare_data(script_args: PretrainScriptArguments, documents: tuple[Document
 def data_metadata(script_args: PretrainScriptArguments, data: PretrainData, consumed: dict) -> dict:
     """The `data` section of metadata.json: sources (files with sizes and sha256), the split, what was trained on
     (`consumed`: `PretrainTrainer.stream_summary`, also logged)."""
-    logger.info("training stream: %d documents read, %d held out, %d duplicates within a shard dropped",
-                consumed["documents"], consumed["held_out_documents"], consumed["duplicate_documents"])
+    logger.info("training stream: %d documents read, %d held out; dropped: %d duplicates within a shard, %d without "
+                "text, %d with empty text", consumed["documents"], consumed["held_out_documents"],
+                consumed["duplicate_documents"], consumed["missing_text_documents"], consumed["empty_text_documents"])
     train = data.train.source
     split = train.split.describe() if train.split else {"method": "held-out source",
                                                         "eval_dataset": script_args.eval_dataset}
@@ -152,7 +165,11 @@ def data_metadata(script_args: PretrainScriptArguments, data: PretrainData, cons
                   "validation_rows": len(data.eval_rows), "training_documents_read": consumed["documents"],
                   "held_out_documents_skipped": consumed["held_out_documents"],
                   "duplicate_documents_skipped": consumed["duplicate_documents"],
-                  "validation_duplicate_documents_skipped": data.eval_counts["duplicates"]},
+                  "missing_text_documents_skipped": consumed["missing_text_documents"],
+                  "empty_text_documents_skipped": consumed["empty_text_documents"],
+                  "validation_duplicate_documents_skipped": data.eval_counts["duplicates"],
+                  "validation_missing_text_documents_skipped": data.eval_counts["missing_text"],
+                  "validation_empty_text_documents_skipped": data.eval_counts["empty_text"]},
         "packing": {"train": consumed["packing"], "validation": data.eval_report.as_dict()},
         "stream": {"shuffle_buffer": script_args.shuffle_buffer, "packing_buffer": script_args.packing_buffer,
                    "ranks": consumed["ranks"]},

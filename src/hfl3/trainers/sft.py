@@ -157,7 +157,7 @@ class ChatSFTConfig(MuonTrainingArguments, SFTConfig):
         super().__post_init__()
 
 
-class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  # NonFiniteGuard first: it checks before a save
+class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  # any order of the mixins (decision 19)
     """TRL's `SFTTrainer` for pre-tokenized, pre-masked rows, with provenance on every save.
 
     Differences from `SFTTrainer`:

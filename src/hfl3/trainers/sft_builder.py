@@ -3,6 +3,7 @@
 with its data and base model (`build_sft_trainer`) and the output folder (`finish_sft`)."""
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,15 +67,19 @@ class SFTScriptArguments:
 
 @dataclass
 class SFTModelArguments(ModelConfig):
-    """`trl.ModelConfig` with `use_peft` on, `lora_target_modules` `["q_proj", "v_proj"]` (a single name stays a
-    module name, not a regex), and `gguf_file`, `tokenizer_name_or_path`, `base_model_hub_id` added."""
+    """`trl.ModelConfig` with `use_peft` on, `lora_target_modules` `["q_proj", "v_proj"]` (one value is a regular
+    expression, as TRL takes it, when it has regular-expression syntax; a single name stays a module name, which
+    PEFT would otherwise match against whole module names), and `gguf_file`, `tokenizer_name_or_path`,
+    `base_model_hub_id` added."""
 
     _argument_group_name = ("model and LoRA (hfl3.trainers.sft_builder.SFTModelArguments: trl.ModelConfig; gguf_file, "
                              "tokenizer_name_or_path, base_model_hub_id last)")
 
     use_peft: bool = field(default=True, metadata={"help": "Train LoRA adapters (the only mode of this recipe)."})
     lora_target_modules: list[str] | None = field(
-        default_factory=lambda: ["q_proj", "v_proj"], metadata={"help": "Module names to adapt, or 'all-linear'."}
+        default_factory=lambda: ["q_proj", "v_proj"],
+        metadata={"help": "Module names to adapt, 'all-linear', or one regular expression matched against whole module "
+                          "names (TRL's, e.g. '.*layers\\.[0-3]\\..*proj')."}
     )
     gguf_file: str | None = field(
         default=None, metadata={"help": "GGUF file inside model_name_or_path to load (dequantized to train it)."}
@@ -85,8 +90,9 @@ class SFTModelArguments(ModelConfig):
     )
 
     def __post_init__(self):
-        super().__post_init__()  # ModelConfig unpacks a one-element list, which PEFT would take as a regex
-        if isinstance(self.lora_target_modules, str) and self.lora_target_modules != "all-linear":
+        super().__post_init__()  # ModelConfig unpacks a one-element list, which PEFT takes as a regex
+        if isinstance(self.lora_target_modules, str) and not re.search(r"[][*+?(){}|^$\\]", self.lora_target_modules) \
+                and self.lora_target_modules != "all-linear":
             self.lora_target_modules = [self.lora_target_modules]
 
 

@@ -6,7 +6,7 @@ optimizer's state, unless given. Decided once, while the arguments are parsed (`
 | setting | from the base's `metadata.json` (a `recipes/pretrain.py` output) | when |
 |---|---|---|
 | `max_length`, `per_device_train_batch_size` | `training_args` | every weight trained (`--use_peft false`) |
-| `gradient_accumulation_steps` | `compute_optimal.total_batch_size` tokens / (rows × `max_length` × processes) | same |
+| `gradient_accumulation_steps` | `compute_optimal.total_batch_size` tokens / (rows × `max_length` × processes) | none of the three given |
 | `matrix_lr`, `embedding_lr`, ... (`GroupLearningRates`), `batch_lr_scale` | `training_args`, `compute_optimal.lr_scale` | with `--optim muon` |
 | the optimizer's state (`--load_optimizer`) | the base folder's `optimizer.safetensors` | its optimizer is this run's |
 
@@ -89,7 +89,8 @@ def decide_from_base(model_args, training_args, given: frozenset[str]) -> tuple[
             if name not in given and pretrain_args.get(name) is not None:
                 settings[name] = (pretrain_args[name], f"{source}, training_args.{name}")
         total = plan.get("total_batch_size")
-        if total and "gradient_accumulation_steps" not in given:
+        batch = ("per_device_train_batch_size", "max_length", "gradient_accumulation_steps")
+        if total and not given & set(batch):  # the batch as a whole: rows, length and accumulation
             rows = settings.get("per_device_train_batch_size", (training_args.per_device_train_batch_size,))[0]
             length = settings.get("max_length", (training_args.max_length,))[0]
             per_step = rows * length * training_args.world_size

@@ -5,10 +5,10 @@ one graph.
 Token t owns the rows `bounds[t]:bounds[t + 1]` of the tables; a batch of N tokens routes to P = Σ_t d_t pairs. P
 depends on the token ids, and a traced graph cannot hold a tensor whose size depends on data without a graph break
 (or a global `torch._dynamo` setting). So nothing of size P crosses the graph: the routing is three `(N,)` tensors
-and the pair count as a CPU scalar (read once per forward: its one device→host copy), and the lookup op and its
-backward op expand the pairs inside, where the code is plain PyTorch (`embedding_bag`, its backward kernels, and
-score gathers in chunks of pairs), so no `(P, C)` tensor is built. The backward recomputes the softmax instead of
-keeping `(P,)` tensors between the passes.
+and the pair count as a CPU scalar (one device→host copy per forward, which the host waits for only where the first
+L3 layer reads it: `pair_count_on_host`), and the lookup op and its backward op expand the pairs inside, where the
+code is plain PyTorch (`embedding_bag`, its backward kernels, and score gathers in chunks of pairs), so no `(P, C)`
+tensor is built. The backward recomputes the softmax instead of keeping `(P,)` tensors between the passes.
 
 Self-contained (relative imports only; ships with the modeling file as Hub remote code). Each copy of this folder
 registers its ops under a namespace named after its module, so hfl3's copy and a Hub copy loaded in the same process
@@ -36,7 +36,8 @@ class L3Routing(NamedTuple):
     """Static routing of N = batch·seq tokens to their L3 table rows: token n owns the pairs
     `pair_offsets[n] : pair_offsets[n] + sizes[n]`, which read the table rows `starts[n] : starts[n] + sizes[n]`.
 
-    starts, sizes, pair_offsets: `(N,)` on the ids' device; num_pairs: P = Σ sizes, a 0-d CPU tensor.
+    starts, sizes, pair_offsets: `(N,)` on the ids' device; num_pairs: P = Σ sizes, a 0-d CPU tensor, whose value
+    is there once `num_pairs_copied` (a CUDA event; None: at once) has completed (`pair_count_on_host`).
     prefetch: the routed rows of offloaded tables, being fetched to the compute device (`offload.L3Prefetch`).
     """
 
@@ -44,18 +45,41 @@ class L3Routing(NamedTuple):
     sizes: torch.LongTensor
     pair_offsets: torch.LongTensor
     num_pairs: torch.LongTensor
+    num_pairs_copied: "torch.cuda.Event | None" = None
     prefetch: L3Prefetch | None = None
 
 
 def l3_routing(input_ids: torch.LongTensor, l3_bounds: torch.LongTensor) -> L3Routing:
     """Routing of `input_ids` (any shape) to the rows of allocation `l3_bounds` `(vocab_size + 1,)`.
 
-    Costs one device→host copy (the pair count); shared by all L3 layers of a forward pass.
+    Costs one device→host copy (the pair count), not waited for here (`pair_count_on_host`); shared by all L3 layers
+    of a forward pass.
     """
     ids = input_ids.reshape(-1)
     starts = l3_bounds[ids]
     sizes = l3_bounds[ids + 1] - starts  # (N,)
-    return L3Routing(starts, sizes, torch.cumsum(sizes, 0) - sizes, sizes.sum().cpu())
+    num_pairs, copied = pair_count_on_host(sizes)
+    return L3Routing(starts, sizes, torch.cumsum(sizes, 0) - sizes, num_pairs, copied)
+
+
+def pair_count_on_host(sizes: torch.LongTensor) -> tuple[torch.LongTensor, "torch.cuda.Event | None"]:
+    """P = Σ `sizes` as a 0-d CPU tensor, and on CUDA the event after which it holds its value (else None).
+
+    On CUDA the count is copied into pinned memory without blocking, so the host goes on queueing the decoder layers
+    before the first L3 layer and waits only there (`pair_lookup`), with that work still queued: a blocking `.cpu()`
+    at the routing drained the device's queue at every forward. The CPU takes the same path (its copy is synchronous);
+    other devices copy blocking. Inside a compiled graph the copy is the graph's own (`.cpu()`).
+    """
+    total = sizes.sum()
+    if torch.compiler.is_compiling():
+        return total.cpu(), None
+    host = torch.empty((), dtype=total.dtype, pin_memory=total.is_cuda)
+    host.copy_(total, non_blocking=total.device.type in ("cpu", "cuda"))
+    if not total.is_cuda:
+        return host, None
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(total.device))
+    return host, copied
 
 
 def expand_pairs(starts, sizes, pair_offsets, num_pairs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +216,8 @@ def pair_lookup(x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, routi
     """
     starts = routing.starts if starts is None else starts
     chunk_size = default_chunk_size(x) if chunk_size is None else chunk_size
+    if routing.num_pairs_copied is not None:  # the host waits here, the layers before this one queued on the device
+        routing.num_pairs_copied.synchronize()
     return lookup_pairs(x, keys, values, starts, routing.sizes, routing.pair_offsets, routing.num_pairs, chunk_size)
 
 

@@ -1,0 +1,94 @@
+"""Interrupts never cost data: a run that replaces another run's folder (`--overwrite_output_dir`), stopped by Ctrl-C
+(SIGINT) or killed (SIGKILL), leaves every file of the old folder as it was, its own checkpoints where the next start
+finds them, and (Ctrl-C) one line saying what was saved and how to continue, exit status 130, no traceback."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from hfl3.data.chat import write_chat_jsonl
+from hfl3.trainers.outputs import STAGING
+
+
+def tree(folder):
+    """{relative path: bytes} of every file under `folder`, its staging area left out."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*")
+            if p.is_file() and STAGING not in p.relative_to(folder).parts}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, assets):
+    folder = tmp_path_factory.mktemp("qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 tie_word_embeddings=True)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    chats = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                           {"role": "assistant", "content": f"{a + b}."}]} for a in range(8) for b in range(8)]
+    return folder, write_chat_jsonl(chats, folder / "chats.jsonl")
+
+
+def command(repo_root, base, output_dir, *extra):
+    folder, chats = base
+    return [sys.executable, str(repo_root / "recipes" / "sft_lora.py"), "--config",
+            str(repo_root / "recipes" / "configs" / "sft_tiny.yaml"), "--model_name_or_path", str(folder),
+            "--train_file", str(chats), "--output_dir", str(output_dir), "--per_device_train_batch_size", "2",
+            "--save_steps", "1", "--num_train_epochs", "1", *extra]
+
+
+def start_and_stop(repo_root, base, output_dir, sig, checkpoints: int, *extra):
+    """Start the recipe, send `sig` once its run folder holds `checkpoints` checkpoints; return (exit code, stderr)."""
+    run_dir = output_dir / STAGING / "run"
+    process = subprocess.Popen(command(repo_root, base, output_dir, *extra), cwd=repo_root, stderr=subprocess.PIPE,
+                               stdout=subprocess.DEVNULL, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 300
+    while len(list(run_dir.glob("checkpoint-*"))) < checkpoints and process.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.05)
+    process.send_signal(sig)
+    _, stderr = process.communicate(timeout=120)
+    return process.returncode, stderr
+
+
+@pytest.mark.slow
+def test_an_interrupted_overwrite_keeps_the_old_folder_and_resumes_its_own_checkpoints(tmp_path, repo_root, base):
+    output_dir = tmp_path / "out"
+    old = subprocess.run(command(repo_root, base, output_dir, "--max_steps", "2"), cwd=repo_root, capture_output=True,
+                         text=True, timeout=300)
+    assert old.returncode == 0, old.stderr[-3000:]
+    before = tree(output_dir)
+    assert {"checkpoint-1/adapter_model.safetensors", "checkpoint-2/trainer_state.json",
+            "adapter_model.safetensors"} <= set(before)
+
+    code, stderr = start_and_stop(repo_root, base, output_dir, signal.SIGINT, 2, "--overwrite_output_dir")
+    assert code == 130 and "Traceback" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("sft_lora.py: error: interrupted; the newest checkpoint is checkpoint-")
+    assert last.endswith("'s own files are as they were before this run): add --overwrite_output_dir "
+                         "--resume_from_checkpoint latest to continue from it")
+    assert tree(output_dir) == before  # byte for byte: the old run's checkpoint-2 included
+    staged = sorted(int(p.name.split("-")[1]) for p in (output_dir / STAGING / "run").glob("checkpoint-*"))
+    assert len(staged) >= 2
+
+    again = ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"]
+    code, stderr = start_and_stop(repo_root, base, output_dir, signal.SIGKILL, len(staged) + 1, *again)
+    assert code == -signal.SIGKILL
+    assert tree(output_dir) == before
+    staged = sorted(int(p.name.split("-")[1]) for p in (output_dir / STAGING / "run").glob("checkpoint-*"))
+
+    finish = subprocess.run(command(repo_root, base, output_dir, *again, "--max_steps", str(staged[-1] + 1)),
+                            cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert finish.returncode == 0, finish.stderr[-3000:]
+    assert f"resuming from checkpoint-{staged[-1]}" in finish.stderr  # its own newest checkpoint
+    after = tree(output_dir)
+    assert not (output_dir / STAGING).exists()
+    assert f"checkpoint-{staged[-1] + 1}/trainer_state.json" in after  # the new run's, moved in by its commit
+    assert after["checkpoint-1/adapter_model.safetensors"] != before["checkpoint-1/adapter_model.safetensors"]
