@@ -4,9 +4,6 @@ provenance chain from the corpus to the chat model."""
 
 import json
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
+from hfl3.data.chat import write_chat_jsonl
 from hfl3.generation import answer_prompts
 from hfl3.optim import create_muon_optimizer
 from hfl3.optim.state_file import load_optimizer_state, read_header, save_optimizer_state
@@ -66,13 +63,11 @@ def test_an_optimizer_state_round_trips_by_name_and_keeps_the_new_runs_settings(
 
 
 @pytest.fixture(scope="module")
-def chats(tmp_path_factory, assets):
-    folder = tmp_path_factory.mktemp("chats")
-    records = [{"messages": list(r.messages)} for r in read_chat_jsonl(assets / "chat" / "gsm8k_messages_train.jsonl")]
+def chats(tmp_path_factory):
     short = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
                            {"role": "assistant", "content": f"{a} + {b} = {a + b}."}]}
              for a in range(6) for b in range(4)]
-    return write_chat_jsonl(short, folder / "train.jsonl"), write_chat_jsonl(records[:8], folder / "gsm8k.jsonl")
+    return write_chat_jsonl(short, tmp_path_factory.mktemp("chats") / "train.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +111,7 @@ def test_full_sft_trains_every_weight_and_writes_a_complete_model_folder(tmp_pat
     monkeypatch.chdir(repo_root)
     folder = pretrained if base == "l3gpt" else qwen3_folder
     before = load_file(folder / "model.safetensors")
-    sft(sft_recipe, folder, chats[0], tmp_path / "out", "--learning_rate", "1e-3")
+    sft(sft_recipe, folder, chats, tmp_path / "out", "--learning_rate", "1e-3")
     out = tmp_path / "out"
     assert not (out / "adapter_config.json").exists()
     after = load_file(out / "model.safetensors")
@@ -134,6 +129,12 @@ def test_full_sft_trains_every_weight_and_writes_a_complete_model_folder(tmp_pat
     assert [s["answer"] for s in samples] == [s["answer"] for s in reloaded]  # the folder is the trained model
     metadata = json.loads((out / "metadata.json").read_text())
     assert metadata["lora"] is None and metadata["training_args"]["learning_rate"] == 1e-3
+    if base == "l3gpt":  # the provenance chain runs from the chat model back to the pretraining corpus
+        chain, pretrain_metadata = read_chain(out), json.loads((folder / "metadata.json").read_text())
+        assert [link["kind"] for link in chain] == ["full SFT model", "pretrained base"]
+        assert chain[1]["git_commit"] == pretrain_metadata["git_commit"]
+        assert chain[1]["data"]["train_tokens_sha256"] == pretrain_metadata["data"]["train_tokens_sha256"]
+        assert str(tmp_path) not in json.dumps(chain) and str(folder) not in json.dumps(chain)
 
 
 @pytest.mark.slow
@@ -144,7 +145,7 @@ def test_muon_sft_inherits_the_pretraining_run_and_warm_starts_its_optimizer(tmp
     pretrain_metadata = json.loads((pretrained / "metadata.json").read_text())
     script, model, args, setup = parse_recipe_args(sft_recipe.make_parser(), [
         "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path", str(pretrained), "--train_file",
-        str(chats[0]), "--output_dir", str(tmp_path / "out"), "--use_peft", "false", "--optim", "muon",
+        str(chats), "--output_dir", str(tmp_path / "out"), "--use_peft", "false", "--optim", "muon",
         "--max_steps", "2", "--matrix_lr", "0.01"])
     assert setup.optimizer_state == pretrained / "optimizer.safetensors"
     inherited = {name: value for name, (value, _) in setup.settings.items()}
@@ -178,40 +179,27 @@ def test_muon_sft_inherits_the_pretraining_run_and_warm_starts_its_optimizer(tmp
     assert groups["matrix"]["lr"] == pytest.approx(0.01 * args.batch_lr_scale * args.init_lr_frac)
 
 
-def run_recipe_cli(repo_root, *arguments) -> list[str]:
-    """The SFT recipe run as a user runs it; asserts it ended with one line and exit status 2 before any work, and
-    returns its stderr lines."""
-    result = subprocess.run([sys.executable, "recipes/sft_lora.py", *arguments], capture_output=True, text=True,
-                            timeout=300, cwd=repo_root, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    return result.stderr.strip().splitlines()
+def refusal(sft_recipe, capsys, *arguments) -> str:
+    """The line the SFT recipe's parser ends with (exit status 2, before any work)."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_recipe_args(sft_recipe.make_parser(), list(arguments))
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
-def test_a_warm_start_that_cannot_act_is_one_line_and_exit_2(tmp_path, chats, qwen3_folder, pretrained, repo_root):
-    lines = run_recipe_cli(repo_root, "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path",
-                           str(qwen3_folder), "--train_file", str(chats[0]), "--output_dir", str(tmp_path / "a"),
-                           "--use_peft", "false", "--load_optimizer", "true")
-    assert lines[-1].endswith("has no optimizer.safetensors (recipes/pretrain.py writes one with its final model); "
-                              "pass --load_optimizer false to start the optimizer fresh")
-    lines = run_recipe_cli(repo_root, "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path",
-                           str(pretrained), "--train_file", str(chats[0]), "--output_dir", str(tmp_path / "b"),
-                           "--use_peft", "false", "--load_optimizer", "true")  # AdamW over a Muon state
-    assert "holds MuonAdamW's state, and this run's optimizer is AdamW" in lines[-1]
-    lines = run_recipe_cli(repo_root, "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path",
-                           str(pretrained), "--train_file", str(chats[0]), "--output_dir", str(tmp_path / "c"),
-                           "--optim", "muon")
-    assert "--optim muon with LoRA" in lines[-1]
-
-
-@pytest.mark.slow
-def test_the_provenance_chain_runs_from_the_chat_model_back_to_the_corpus(tmp_path, chats, pretrained, sft_recipe,
-                                                                           monkeypatch, repo_root):
+def test_a_warm_start_that_cannot_act_is_one_line_and_exit_2(tmp_path, chats, qwen3_folder, pretrained, sft_recipe,
+                                                             capsys, monkeypatch, repo_root):
     monkeypatch.chdir(repo_root)
-    sft(sft_recipe, pretrained, chats[0], tmp_path / "out")
-    chain = read_chain(tmp_path / "out")
-    pretrain_metadata = json.loads((pretrained / "metadata.json").read_text())
-    assert [link["kind"] for link in chain] == ["full SFT model", "pretrained base"]
-    assert chain[1]["git_commit"] == pretrain_metadata["git_commit"]
-    assert chain[1]["data"]["train_tokens_sha256"] == pretrain_metadata["data"]["train_tokens_sha256"]
-    assert str(tmp_path) not in json.dumps(chain)
+    common = ["--config", "recipes/configs/sft_tiny.yaml", "--train_file", str(chats)]
+    line = refusal(sft_recipe, capsys, *common, "--model_name_or_path", str(qwen3_folder), "--output_dir",
+                   str(tmp_path / "a"), "--use_peft", "false", "--load_optimizer", "true")
+    assert line.endswith("has no optimizer.safetensors (recipes/pretrain.py writes one with its final model); pass "
+                         "--load_optimizer false to start the optimizer fresh")
+    line = refusal(sft_recipe, capsys, *common, "--model_name_or_path", str(pretrained), "--output_dir",
+                   str(tmp_path / "b"), "--use_peft", "false", "--load_optimizer", "true")  # AdamW over a Muon state
+    assert "holds MuonAdamW's state, and this run's optimizer is AdamW" in line
+    line = refusal(sft_recipe, capsys, *common, "--model_name_or_path", str(pretrained), "--output_dir",
+                   str(tmp_path / "c"), "--optim", "muon")
+    assert "--optim muon with LoRA" in line
+    assert not any((tmp_path / name).exists() for name in "abc")  # nothing written

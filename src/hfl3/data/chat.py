@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hfl3.atomic import atomic_path
+from hfl3.errors import InputError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name", "training")
@@ -54,7 +55,7 @@ BOM = b"\xef\xbb\xbf"
 GZIP_MAGIC = b"\x1f\x8b"
 
 
-class InvalidChatRecord(ValueError):
+class InvalidChatRecord(InputError):
     """A chat record that cannot be trained on. `str(error)` is `"{where}: {reason}"`; `kind` is `"malformed"`,
     `"no_assistant"` or `"duplicates"` (the `ChatDataStats` counter a skipped record goes to). Picklable, so that
     worker processes can hand it back."""
@@ -67,7 +68,7 @@ class InvalidChatRecord(ValueError):
         return type(self), (self.where, self.reason, self.kind)
 
 
-class SFTDataError(ValueError):
+class SFTDataError(InputError):
     """The data as a whole cannot be trained on (no usable record left): one line naming the source and its counts."""
 
 

@@ -4,7 +4,7 @@ stderr and an exit status instead of a traceback:
 
 | what stopped the run | exit status | the line |
 |---|---|---|
-| bad input: `hfl3.errors.InputError` (data, a model folder, a plan), `LaunchError`, bad chat records | 2 | the error's own words |
+| bad input: `hfl3.errors.InputError` (data and chat records, a model folder, a plan), `LaunchError` | 2 | the error's own words |
 | a NaN/inf loss or gradient (`NonFiniteTrainingError`) | 1 | the step, the newest checkpoint, what to change |
 | Ctrl-C (`KeyboardInterrupt`) | 130 | what was saved and the command's flags that resume it |
 | a lost or frozen rank (the process group failed) | 1 | the lost ranks (`hfl3.distributed.lost_peer_message`) |
@@ -24,7 +24,6 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from hfl3.data.chat import InvalidChatRecord, SFTDataError
 from hfl3.distributed import end_distributed_run, lost_peer_message
 from hfl3.errors import InputError
 from hfl3.trainers.arguments import parse_recipe_args
@@ -34,8 +33,8 @@ from hfl3.trainers.outputs import STAGING, OutputFolder, latest_checkpoint
 
 logger = logging.getLogger(__name__)
 
-INPUT_ERRORS = (InputError, LaunchError, InvalidChatRecord, SFTDataError)
-"""What a recipe reports as bad input: one line, exit status 2."""
+INPUT_ERRORS = (InputError, LaunchError)
+"""What a recipe reports as bad input: one line, exit status 2 (hfl3's data errors are `InputError`s)."""
 
 
 class RecipeEnding:
