@@ -159,7 +159,7 @@ def test_a_bad_training_argument_is_refused_while_parsing(repo_root, capsys, mon
 
 # ---- paths and names typed into a recipe ----------------------------------------------------------------------
 
-JSONL = 'a chat JSONL file (one {"messages": [...]} per line)'
+JSONL = 'a chat JSONL file (one {"messages": [...]} per line, or {"text": ...}; gzip-compressed too)'
 MODEL = "a model folder (config.json and weights, as save_pretrained writes them) or a Hub model id"
 TOKENIZER = ("a tokenizer folder (tokenizer.json or tokenizer_config.json, as save_pretrained writes them) or a Hub "
              "id")
@@ -215,7 +215,7 @@ INPUT_ERRORS = [  # (recipe, arguments after valid ones, the exact message); {tm
      f"--eval_dataset /nope.txt: no such file or folder; expected {CORPUS}"),
     ("pretrain", ["--tokenizer_name_or_path", "/nope"], f"--tokenizer_name_or_path /nope: no such folder; expected "
      f"{TOKENIZER}"),
-    ("pretrain", ["--tokenizer_name_or_path", "{tmp}/model"], "--tokenizer_name_or_path {tmp}/model: the folder holds "
+    ("pretrain", ["--tokenizer_name_or_path", "{tmp}/full"], "--tokenizer_name_or_path {tmp}/full: the folder holds "
      f"no tokenizer.json or tokenizer_config.json; expected {TOKENIZER}"),
     ("pretrain", ["--resume_from_checkpoint", "/nope/checkpoint-4"],
      f"--resume_from_checkpoint /nope/checkpoint-4: no such folder; expected {RESUME}"),
@@ -225,13 +225,15 @@ INPUT_ERRORS = [  # (recipe, arguments after valid ones, the exact message); {tm
 
 @pytest.fixture(scope="module")
 def valid_inputs(tmp_path_factory, assets) -> Path:
-    """A folder with what the recipes accept: `model/` (a config.json), `tokenizer/` (Qwen3's), `train.jsonl`,
-    `hub_style/` (a dataset folder with train and test splits); and what they refuse: `template.txt` (a chat
-    template with the wrong suffix), `full/` (a non-empty output folder)."""
+    """A folder with what the recipes accept: `model/` (a tiny Qwen3 with Qwen3's tokenizer), `tokenizer/` (Qwen3's),
+    `train.jsonl`, `hub_style/` (a dataset folder with train and test splits); and what they refuse: `template.txt`
+    (a chat template with the wrong suffix), `full/` (a non-empty output folder)."""
     folder = tmp_path_factory.mktemp("inputs")
-    Qwen3Config(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=8).save_pretrained(folder / "model")
-    AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3").save_pretrained(folder / "tokenizer")
+    config = Qwen3Config(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    Qwen3ForCausalLM(config).save_pretrained(folder / "model")
+    for name in ("model", "tokenizer"):  # the model's folder holds its tokenizer, as save_pretrained writes them
+        AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3").save_pretrained(folder / name)
     write_chat_jsonl(stdlib_docstring_chats(2, seed=0), folder / "train.jsonl")
     (folder / "template.txt").write_text("{% for message in messages %}{{ message['content'] }}{% endfor %}")
     (folder / "full").mkdir()
@@ -460,7 +462,7 @@ def test_the_stream_counts_repeats_and_its_fingerprint_names_the_filter(tmp_path
     source = streaming.DocumentSource(sources.open_corpus(str(tmp_path / "book.txt")), read_batch=8, epochs=1)
     packed = streaming.PackedStream(source, tokenizer, max_seq_len=64, shuffle_buffer=0)
     _, _, counts = packed.materialize(10_000)
-    assert counts == {"documents": 50, "held_out": 0, "duplicates": 50}
+    assert counts == {"documents": 50, "held_out": 0, "duplicates": 50, "missing_text": 0, "empty_text": 0}
     assert packed.fingerprint()["deduplicate"] == "within shards"
 
 

@@ -9,7 +9,7 @@ import re
 
 import datasets
 import pytest
-from transformers import AutoTokenizer, Qwen3Config
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 from trl.chat_template_utils import qwen2_5_chat_template
 
 from hfl3.data import inspect as inspect_cli
@@ -295,8 +295,8 @@ def test_inspect_shows_every_part_and_exits_2_on_an_all_invalid_file(tmp_path, a
 def test_the_recipe_ends_with_one_line_and_exit_2_when_nothing_valid_is_left(tmp_path, assets, sft_recipe, capsys,
                                                                              flags, message):
     model = tmp_path / "model"
-    Qwen3Config(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=8).save_pretrained(model)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=8)).save_pretrained(model)
     AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3").save_pretrained(model)
     data = tmp_path / "bad.jsonl"
     data.write_bytes(b"".join(BAD_LINES))

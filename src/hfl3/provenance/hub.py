@@ -29,10 +29,13 @@ def push_folder_to_hub(
     private: bool | None = None,
     token: str | None = None,
     ignore_patterns: Sequence[str] = IGNORED,
+    revision: str | None = None,
 ) -> str:
     """Upload `folder` (weights or adapter, tokenizer, metadata.json and README.md) to the Hub model repository
     `repo_id` with `huggingface_hub`, creating the repository if needed; checkpoints and temporary files are left
-    out. Returns the commit URL.
+    out. With `revision` (`--hub_revision`), the upload is a commit on that branch, created from the default branch
+    when missing (`HfApi.create_branch(exist_ok=True)`; transformers' own push would fail on a branch that does not
+    exist); without it, on the default branch. Returns the commit URL.
 
     Raises:
         huggingface_hub errors: offline (`HF_HUB_OFFLINE=1`), no token, or no write access to `repo_id`.
@@ -41,10 +44,15 @@ def push_folder_to_hub(
 
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
+    on_branch = {}
+    if revision:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+        on_branch["revision"] = revision
     commit = api.upload_folder(
         repo_id=repo_id,
         folder_path=str(folder),
         commit_message="Upload from hfl3",
         ignore_patterns=list(ignore_patterns),
+        **on_branch,
     )
     return str(commit)

@@ -33,6 +33,7 @@ import dataclasses
 import glob
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -48,11 +49,12 @@ from transformers.trainer_utils import IntervalStrategy
 from trl import TrlParser
 
 from hfl3.data.sft_sources import BUILDERS, check_jsonl_file, dataset_splits
-from hfl3.data.sources import LOCAL_SUFFIXES
+from hfl3.data.sources import LOCAL_SUFFIXES, file_format
 from hfl3.distributed import check_same_on_all_ranks, on_all_ranks, rank
 from hfl3.evaluate import check_core_bundle
 from hfl3.provenance.hub import is_hub_id
-from hfl3.trainers.outputs import OutputFolder, base_model_hub_id, prepare_output_dir
+from hfl3.trainers.flags import check_model_flags, refuse_flags
+from hfl3.trainers.outputs import OutputFolder, base_model_hub_id, prepare_output_dir, safetensors_problem
 from hfl3.trainers.base_model import check_quantization_arguments
 from hfl3.trainers.sft_inheritance import decide_from_base
 
@@ -266,6 +268,64 @@ def check_pretrained(argument: str, value: str, expected: str, files: Sequence[s
         check_hub_repo(argument, value, expected, files, revision)
 
 
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""The weights `from_pretrained` looks for in a model folder, in its order."""
+SAVE_AGAIN = "restore it from where the folder came from, or save the folder again with save_pretrained"
+
+
+def read_json(argument: str, value: str, path: Path):
+    """The JSON in `path`, a file of the folder `value` given as `--ARGUMENT`. Raises `ValueError`: `--ARGUMENT
+    VALUE: NAME is not valid JSON (where); restore it ...`."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:  # json.JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"--{argument} {value}: {path.name} is not valid JSON ({error}); {SAVE_AGAIN}") from None
+
+
+def check_model_folder(argument: str, value: str) -> None:
+    """A local model folder holds what `from_pretrained` reads: a `config.json` that is JSON, and whole weights (the
+    first of `WEIGHTS`, or the shards its index names): a `.safetensors` file's header and size
+    (`hfl3.trainers.outputs.safetensors_problem`; no tensor is read), a `.bin` file not empty. Raises `ValueError`:
+    one line naming the argument, the folder, the file and the fix."""
+    folder = Path(value)
+    read_json(argument, value, folder / "config.json")
+    found = next((name for name in WEIGHTS if (folder / name).is_file()), None)
+    if found is None:
+        raise _error(argument, value, f"the folder holds no weights ({', '.join(WEIGHTS)})", MODEL)
+    files = sorted(set(read_json(argument, value, folder / found).get("weight_map", {}).values())) \
+        if found.endswith(".index.json") else [found]
+    for name in files:
+        path = folder / name
+        problem = f"missing (named by {found})" if not path.is_file() else "empty" if not path.stat().st_size \
+            else safetensors_problem(path) if path.suffix == ".safetensors" else None
+        if problem:
+            raise ValueError(f"--{argument} {value}: {name} {problem}; {SAVE_AGAIN}")
+
+
+def check_tokenizer_folder(argument: str, value: str, chat_template: bool = False) -> None:
+    """A local tokenizer folder (`--tokenizer_name_or_path`, or a model folder holding its tokenizer) holds
+    `TOKENIZER_FILES`: `tokenizer_config.json` JSON, `tokenizer.json` closed (its tail: a full parse takes a second)
+    and, with `chat_template`, a template (`chat_template.jinja`, or in a JSON file), which hfl3's masks render every
+    record with. Raises `ValueError`: one line naming the argument, the folder, the file and the fix."""
+    folder = Path(value)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):  # a model folder's (check_pretrained: others)
+        raise ValueError(f"--{argument} {value}: the folder holds no tokenizer ({' or '.join(TOKENIZER_FILES)}); pass "
+                         "--tokenizer_name_or_path, or save the tokenizer into the folder (tokenizer.save_pretrained)")
+    if (folder / "tokenizer.json").is_file():
+        with open(folder / "tokenizer.json", "rb") as handle:
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - 64))
+            if not handle.read().rstrip().endswith(b"}"):
+                raise ValueError(f"--{argument} {value}: tokenizer.json is cut short (its JSON object is not closed); "
+                                 f"{SAVE_AGAIN}")
+    configs = [read_json(argument, value, folder / name) for name in ("tokenizer_config.json", "chat_template.json")
+               if (folder / name).is_file()]
+    if chat_template and not ((folder / "chat_template.jinja").is_file() or any(
+            isinstance(config, dict) and config.get("chat_template") for config in configs)):
+        raise ValueError(f"--{argument} {value}: the tokenizer has no chat template, which hfl3 renders every record "
+                         "with to mask it (hfl3.data.masks); pass --chat_template_path FILE.jinja, or a tokenizer "
+                         "with one")
+
+
 def in_cache(repo_id: str, files: Sequence[str] = (), revision: str | None = None, repo_type: str = "model") -> bool:
     """Whether the local Hugging Face cache holds one of `files` of the Hub repository (any file when `files` is
     empty); a dataset also counts when `datasets` has prepared it in its own cache."""
@@ -338,7 +398,7 @@ def check_corpus(argument: str, spec: str) -> None:
         if glob.has_magic(entry):
             if not any(Path(p).is_file() for p in glob.iglob(str(Path(entry).expanduser()), recursive=True)):
                 raise _error(argument, value, "the pattern matches no file", CORPUS)
-        elif is_hub_id(entry) and not entry.endswith(LOCAL_SUFFIXES):
+        elif is_hub_id(entry) and file_format(Path(entry))[0] not in LOCAL_SUFFIXES:
             check_hub_repo(argument, entry, CORPUS, repo_type="dataset")
         else:
             raise _error(argument, value, "no such file or folder", CORPUS)
@@ -386,6 +446,7 @@ def check_pretrain_inputs(script_args, model_args, training_args, given: frozens
     Raises:
         ValueError, OSError: one line naming the argument, the value and what was expected.
     """
+    refuse_flags("pretrain", given, script_args, model_args, training_args)
     output = None
     if not script_args.dry_run:
         output = prepare_output_dir(training_args)
@@ -393,8 +454,10 @@ def check_pretrain_inputs(script_args, model_args, training_args, given: frozens
         if script_args.eval_dataset:
             check_corpus("eval_dataset", script_args.eval_dataset)
         check_core_bundle(training_args)
-    if script_args.tokenizer_name_or_path:
-        check_pretrained("tokenizer_name_or_path", script_args.tokenizer_name_or_path, TOKENIZER, TOKENIZER_FILES)
+    if tokenizer := script_args.tokenizer_name_or_path:
+        check_pretrained("tokenizer_name_or_path", tokenizer, TOKENIZER, TOKENIZER_FILES)
+        if Path(tokenizer).is_dir():
+            check_tokenizer_folder("tokenizer_name_or_path", tokenizer)
     resuming = bool(output and output.resume_checkpoint)
     return RunSetup(output, decide_evaluation(training_args, has_eval_data=True, resuming=resuming))
 
@@ -439,9 +502,10 @@ def apply_evaluation(training_args, evaluation: Evaluation) -> None:
 
 
 def check_sft_inputs(script_args, model_args, training_args, given: frozenset[str] = frozenset()) -> RunSetup:
-    """`recipes/sft_lora.py`'s arguments, run by its parser: `prepare_output_dir` (output folder, resume checkpoint,
-    a push's `--hub_model_id` and network), `check_sft_arguments`, then every path and name given; a push needs a
-    Hub id for the base model (`base_model_hub_id`).
+    """`recipes/sft_lora.py`'s arguments, run by its parser: the flags that cannot act (`refuse_flags`),
+    `prepare_output_dir` (output folder, resume checkpoint, a push's `--hub_model_id` and network),
+    `check_sft_arguments`, the model and tokenizer (`check_sft_model`), then every other path and name given; a push
+    needs a Hub id for the base model (`base_model_hub_id`).
 
     Returns:
         The `RunSetup`: the output folder, and the evaluation `decide_evaluation` decides.
@@ -449,9 +513,11 @@ def check_sft_inputs(script_args, model_args, training_args, given: frozenset[st
     Raises:
         ValueError, OSError: one line naming the argument, the value and what was expected.
     """
+    refuse_flags("sft_lora", given, script_args, model_args, training_args)
     output = prepare_output_dir(training_args)
     has_eval_data = check_sft_arguments(script_args, training_args, model_args)
     evaluation = decide_evaluation(training_args, has_eval_data, resuming=bool(output.resume_checkpoint))
+    check_sft_model(model_args, training_args)
     settings, optimizer_state = decide_from_base(model_args, training_args, given)
     for argument in ("train_file", "eval_file"):
         if getattr(script_args, argument):
@@ -463,15 +529,7 @@ def check_sft_inputs(script_args, model_args, training_args, given: frozenset[st
         if script_args.dataset_test_split:
             splits["dataset_test_split"] = script_args.dataset_test_split
         check_sft_dataset(script_args.dataset_name, script_args.dataset_config, splits)
-    if training_args.chat_template_path:
-        check_file("chat_template_path", training_args.chat_template_path, "a Jinja chat template file (applied "
-                   "before tokenization)", suffixes=(".jinja", ".j2"))
-    model, gguf = model_args.model_name_or_path, model_args.gguf_file
-    if gguf and Path(model).is_dir():
-        check_file("gguf_file", str(Path(model) / gguf), "a GGUF file inside --model_name_or_path", (".gguf",))
-    check_pretrained("model_name_or_path", model, MODEL, [gguf] if gguf else MODEL_FILES, model_args.model_revision)
-    if model_args.tokenizer_name_or_path:
-        check_pretrained("tokenizer_name_or_path", model_args.tokenizer_name_or_path, TOKENIZER, TOKENIZER_FILES)
+    model = model_args.model_name_or_path
     if model_args.base_model_hub_id:
         if not Path(model).is_dir():
             raise ValueError(f"--base_model_hub_id {model_args.base_model_hub_id}: only for a local "
@@ -487,6 +545,27 @@ def check_sft_inputs(script_args, model_args, training_args, given: frozenset[st
         check_hub_repo("base_model_hub_id", model_args.base_model_hub_id, "the Hub repository of "
                        "--model_name_or_path")
     return RunSetup(output, evaluation, settings, optimizer_state)
+
+
+def check_sft_model(model_args, training_args) -> None:
+    """The SFT recipe's model (`check_model_folder`, a GGUF file, or a Hub id), its tokenizer (with a chat template
+    unless `--chat_template_path`: `check_tokenizer_folder`) and the flags that act on some models only
+    (`hfl3.trainers.flags.check_model_flags`), before any data is read. Raises `ValueError` (one line)."""
+    if training_args.chat_template_path:
+        check_file("chat_template_path", training_args.chat_template_path, "a Jinja chat template file (applied "
+                   "before tokenization)", suffixes=(".jinja", ".j2"))
+    model, gguf, tokenizer = model_args.model_name_or_path, model_args.gguf_file, model_args.tokenizer_name_or_path
+    if gguf and Path(model).is_dir():
+        check_file("gguf_file", str(Path(model) / gguf), "a GGUF file inside --model_name_or_path", (".gguf",))
+    check_pretrained("model_name_or_path", model, MODEL, [gguf] if gguf else MODEL_FILES, model_args.model_revision)
+    if not gguf and Path(model).is_dir():
+        check_model_folder("model_name_or_path", model)
+    if tokenizer:
+        check_pretrained("tokenizer_name_or_path", tokenizer, TOKENIZER, TOKENIZER_FILES)
+    argument, folder = ("tokenizer_name_or_path", tokenizer) if tokenizer else ("model_name_or_path", model)
+    if Path(folder).is_dir() and not (gguf and not tokenizer):
+        check_tokenizer_folder(argument, folder, chat_template=not training_args.chat_template_path)
+    check_model_flags(model_args, training_args)
 
 
 def check_sft_arguments(script_args, training_args, model_args) -> bool:

@@ -72,8 +72,9 @@ class OutputFolderMixin:
     does (`on_save` runs after it; `tests/test_trainer_hooks.py` pins its signature).
 
     `TrainingArguments.push_to_hub` is taken over at construction: the Trainer would otherwise upload unfinished
-    checkpoint folders and re-save the model into `output_dir`; `push_output()` uploads the committed folder with
-    the same `hub_model_id`, `hub_private_repo`, `hub_token` and `hub_revision`.
+    checkpoint folders and re-save the model into `output_dir`; `push_output()` uploads the committed folder once,
+    at the end (`hub_strategy` "end"), with the same `hub_model_id`, `hub_private_repo`, `hub_token` and
+    `hub_revision` (the branch, created if missing).
 
     Args:
         output_folder: where the run writes, as the recipe's `prepare_output_dir` resolved it while parsing (the
@@ -161,6 +162,7 @@ class OutputFolderMixin:
         self.run_totals = dict(_NO_TOTALS)
         if checkpoint:
             self.check_checkpoint(checkpoint)
+            logger.info("resuming from %s", Path(checkpoint).name)
         self.resume_checkpoint = checkpoint
         self._train_started = time.time()
         self._run_loss = _LossTally()
@@ -336,7 +338,9 @@ class OutputFolderMixin:
     def push_output(self, folder: str | os.PathLike | None = None) -> str | None:
         """Upload the committed output folder (or `folder` inside it, e.g. `merged`) to `hub_model_id` when
         `--push_to_hub` was given (main process; huggingface_hub's `upload_folder`, checkpoints and staging left
-        out). Files that `hub_files` rewrites are uploaded from a copy in `_hfl3_staging/upload` (the other files
+        out), on the branch `--hub_revision` when given (created if missing: `push_folder_to_hub`). This is
+        `--hub_strategy end`, the one strategy hfl3 runs (the others are refused while the arguments are parsed).
+        Files that `hub_files` rewrites are uploaded from a copy in `_hfl3_staging/upload` (the other files
         hard-linked there), which is removed afterwards. Returns the commit URL, or None when nothing was pushed."""
         if not (self.push_at_end and self.is_world_process_zero()):
             return None
@@ -352,7 +356,8 @@ class OutputFolderMixin:
                 write_json_atomic(upload / name, value)
         try:
             return push_folder_to_hub(upload if replaced else source, self.args.hub_model_id,
-                                      private=self.args.hub_private_repo, token=self.args.hub_token)
+                                      private=self.args.hub_private_repo, token=self.args.hub_token,
+                                      revision=self.args.hub_revision)
         finally:
             if replaced:
                 shutil.rmtree(upload, ignore_errors=True)

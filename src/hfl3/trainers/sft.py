@@ -189,11 +189,19 @@ class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  #
 
     def __init__(self, *args, provenance: dict | None = None, train_supervised_tokens: int | None = None, **kwargs):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        # What TRL would do again to hfl3's finished rows, handed over off in a copy of the arguments: its
+        # assistant-only masks (it refuses the flag with tokenized rows, asking for a conversational dataset and a
+        # template with generation markers), and, for padding-free rows without packing, the `max_length` it
+        # refuses them with (it asks for rows truncated already, which hfl3's are)
+        handed = {}
         if training_args is not None and training_args.assistant_only_loss:
-            # hfl3's rows carry the assistant-only labels already; TRL would refuse the flag with them (it asks for a
-            # conversational dataset and a template with generation markers)
+            handed["assistant_only_loss"] = False
+        if training_args is not None and training_args.padding_free and not training_args.packing:
+            handed["max_length"] = None
+        if handed:
             training_args = copy.copy(training_args)
-            training_args.assistant_only_loss = False
+            for name, value in handed.items():
+                setattr(training_args, name, value)
             if "args" in kwargs:
                 kwargs["args"] = training_args
             else:
