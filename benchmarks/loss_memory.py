@@ -14,6 +14,7 @@ leave the RSS), median time of `--repeats` steps, and the loss and gradient norm
 """
 
 import contextlib
+import math
 import statistics
 import sys
 import time
@@ -117,11 +118,15 @@ def main(args: Args) -> dict:
           f"(B, T, V) float32 logits = {logits_bytes / 2**20:.0f} MiB")
     header = f"{'path':<16}{'peak MiB':>10}{'ratio':>7}{'s/step':>8}{'ratio':>7}{'loss':>10}{'grad norm':>11}"
     print(header + "\n" + "-" * len(header))
+    def ratio(value: float, reference: float) -> float:
+        return value / reference if reference else math.nan  # an RSS peak can read 0 when measured in-process
+
     for r in results:
-        print(f"{r['path']:<16}{r['peak_bytes'] / 2**20:>10.0f}{r['peak_bytes'] / plain['peak_bytes']:>7.3f}"
-              f"{r['seconds']:>8.2f}{r['seconds'] / plain['seconds']:>7.2f}{r['loss']:>10.5f}{r['grad_norm']:>11.5f}")
+        print(f"{r['path']:<16}{r['peak_bytes'] / 2**20:>10.0f}{ratio(r['peak_bytes'], plain['peak_bytes']):>7.3f}"
+              f"{r['seconds']:>8.2f}{ratio(r['seconds'], plain['seconds']):>7.2f}{r['loss']:>10.5f}"
+              f"{r['grad_norm']:>11.5f}")
     print(f"|Δ loss| = {abs(chunked['loss'] - plain['loss']):.2e}, "
-          f"relative Δ grad norm = {abs(chunked['grad_norm'] / plain['grad_norm'] - 1):.2e}")
+          f"relative Δ grad norm = {abs(ratio(chunked['grad_norm'], plain['grad_norm']) - 1):.2e}")
     from hfl3.provenance import package_versions
 
     return write_result(args.json, {"args": asdict(args), "versions": package_versions(), "fused": fused,

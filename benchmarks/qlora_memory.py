@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import resource
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -83,10 +84,14 @@ def save_base(args: QLoRAArguments) -> Path:
     saved = folder / "config.json"
     if saved.is_file() and all(json.loads(saved.read_text()).get(key) == value
                                for key, value in config.to_diff_dict().items() if key != "transformers_version"):
-        return folder
+        return folder  # whole: it is renamed into place only once written
+    staged = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(staged, ignore_errors=True)
     torch.manual_seed(0)
-    Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16).save_pretrained(staged)
+    tokenizer.save_pretrained(staged)
+    shutil.rmtree(folder, ignore_errors=True)
+    staged.rename(folder)
     return folder
 
 

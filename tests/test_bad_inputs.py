@@ -408,7 +408,7 @@ def test_a_folder_without_readable_files_says_which_suffixes_are_read(tmp_path, 
         (tmp_path / name).write_text("some text\n")
     found = ", ".join(sorted({Path(name).suffix for name in files}))
     with pytest.raises(FileNotFoundError, match=r"matches no file: a --dataset entry reads \.txt, \.py, \.jsonl, "
-                                                rf"\.json, \.parquet files \(suffixes are case-sensitive\).*holds "
+                                                rf"\.json, \.parquet, \.arrow files \(suffixes are case-sensitive\).*holds "
                                                 rf"{found}: rename or convert the files"):
         sources.open_corpus(str(tmp_path))
     with pytest.raises(FileNotFoundError, match=rf"holds {found}: rename"):

@@ -275,7 +275,7 @@ def test_auto_runs_the_sections_without_a_committed_gpu_result_first(suite, tmp_
     order = gpu_suite.auto_sections(gpu_sections.Profile("gpu", "cuda"), tmp_path)
     # a section counts as measured when a GPU run finished it with every goal's ratio: muon_step and loss, not
     # pretrain (its hfl3 value missing), trainer (failed) or fp8 (a CPU run)
-    assert order == ["pretrain", "trainer", "fp8", "dense_core", "l3_offload", "sft", "muon_step", "loss"]
+    assert order == ["pretrain", "trainer", "fp8", "dense_core", "l3_offload", "sft", "qlora", "muon_step", "loss"]
     assert gpu_suite.auto_sections(gpu_sections.Profile("smoke", "cpu"), tmp_path) == list(gpu_sections.SECTIONS)
 
 

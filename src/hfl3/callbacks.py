@@ -85,18 +85,6 @@ def save_loss_png(log_history: Sequence[dict], folder: str | os.PathLike, metric
     return save_loss_plot(log_history, Path(folder) / "loss.png", metrics)
 
 
-class LossPlotCallback(TrainerCallback):
-    """Writes `loss.png` (the given metrics over steps) into `args.output_dir` at the end of training (main process;
-    the recipes write theirs into the finished folder instead, `OutputFolderMixin.save_loss_plot`)."""
-
-    def __init__(self, metrics: Sequence[str] = ("loss", "eval_loss")):
-        self.metrics = tuple(metrics)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            save_loss_png(state.log_history, args.output_dir, self.metrics)
-
-
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets; H100/H200 SXM 989 TFLOP/s as nanochat uses).
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "4090": 165e12, "A10": 125e12}
 

@@ -40,6 +40,7 @@ def l3gpt_model_card(metadata: Mapping[str, Any], name: str) -> dict:
             f"model = AutoModelForCausalLM.from_pretrained({name!r}, trust_remote_code=True)  "
             f"# or `import hfl3` first\n"
             "# AutoTokenizer reads config.json, whose auto_map names remote code: say so, or it asks [y/N]\n"
+            "# (PreTrainedTokenizerFast.from_pretrained reads the tokenizer alone, without remote code)\n"
             f"tokenizer = AutoTokenizer.from_pretrained({name!r}, trust_remote_code=True)\n```")
     card = {"title": "L3GPT (hfl3)", "extra_markdown": text, "tags": ("hfl3", "l3gpt")}
     if core:  # the model-index of the Hub's evaluation results
