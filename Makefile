@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/build/torch_extensions
 
-.PHONY: demo test test-distributed test-fast test-serving bench bench-gpu bench-gpu-prepare install clean
+.PHONY: demo test test-extended test-distributed test-fast test-serving bench bench-gpu bench-gpu-prepare install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	@start=$$(date +%s); $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup; \
 	rc=$$?; echo "make test: $$(( $$(date +%s) - start )) s elapsed after installation (exit $$rc)"; exit $$rc
+
+# test-extended: make test plus the long variants it skips (marked extended: the GPU suite's every-section smoke, the
+# ZeRO-2 launch), ~5 more minutes of the 2 workers.
+test-extended: $(STAMP)
+	@start=$$(date +%s); $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup --extended; \
+	rc=$$?; echo "make test-extended: $$(( $$(date +%s) - start )) s elapsed after installation (exit $$rc)"; exit $$rc
 
 test-distributed: $(STAMP)
 	$(BIN)/pytest -q -m distributed
@@ -82,10 +88,13 @@ bench-gpu:
 
 # bench-gpu-prepare NANOCHAT_DIR=<a karpathy/nanochat checkout>: where PyPI is reachable, fills the git-ignored .whl/,
 # build/nanochat and (for assets tests/fixtures lacks) build/assets that bench-gpu needs on the GPU machine, and prints
-# the device call to make (command, carry, timeout_s; what travels checked against 64 MiB).
+# the device call to make (command, carry, timeout_s; what travels checked against 64 MiB). Then the device call runs
+# every section at smoke sizes here (~4 min on 2 cores; make test runs only `pretrain`), so that no GPU time is spent
+# on a section that fails on the CPU.
 bench-gpu-prepare: $(STAMP)
 	@test -n "$(NANOCHAT_DIR)" || { echo "make bench-gpu-prepare: set NANOCHAT_DIR to a karpathy/nanochat checkout"; exit 2; }
 	$(BIN)/python benchmarks/gpu_suite.py --prepare --nanochat_dir $(NANOCHAT_DIR)
+	$(BIN)/pytest -q -p no:xdist --extended "tests/test_benchmarks_smoke.py::test_the_device_call_runs_every_section_at_smoke_sizes_and_fills_its_fields[every]"
 
 clean:
 	rm -rf $(VENV) $(SERVING_VENV) build outputs

@@ -171,9 +171,19 @@ DISTRIBUTED_TIMEOUT_S = 2 * 900 + 300
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the node ids
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true",
+                     help="also run the tests marked extended (make test-extended; make test skips them)")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if not config.getoption("--extended"):  # make test's 10-minute budget on 2 cores: the long variants wait
+        skip_extended = pytest.mark.skip(reason="extended: make test-extended runs it")
+        for item in items:
+            if item.get_closest_marker("extended"):
+                item.add_marker(skip_extended)
     for item in items:  # pytest-xdist (`make test` runs 2 workers) schedules by these groups
         item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
         if item.get_closest_marker("distributed") and not item.get_closest_marker("timeout"):

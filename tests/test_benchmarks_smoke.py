@@ -142,21 +142,28 @@ CPU_ONLY_NOTES = {"peak memory is measured on CUDA only", "MFU needs a known GPU
 
 
 @pytest.mark.slow
-def test_the_device_call_runs_every_section_at_smoke_sizes_and_fills_its_fields(suite, repo_root, tmp_path):
+@pytest.mark.parametrize("sections", ["pretrain", pytest.param(None, id="every", marks=pytest.mark.extended)])
+def test_the_device_call_runs_every_section_at_smoke_sizes_and_fills_its_fields(suite, repo_root, tmp_path, sections):
+    """The device call as printed, at smoke sizes: `pretrain` (the first section of every GPU call, with the profiles)
+    in make test; every section (~4 minutes here) in make test-extended and before each GPU call in make
+    bench-gpu-prepare."""
     common, gpu_sections, gpu_suite = suite
     have_nanochat = (repo_root / "build" / "nanochat" / "nanochat" / "gpt.py").is_file()
     # the device call `make bench-gpu-prepare` prints, run as a user runs it: no thread variables set
     command = gpu_suite.device_call()["command"]
     environment = {key: value for key, value in os.environ.items() if not key.endswith("_NUM_THREADS")}
+    mode = "--smoke" + (f" --sections {sections}" if sections else "")
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=900, cwd=repo_root,
-                          env=environment | {"OUT": str(tmp_path), "BENCH_GPU_MODE": "--smoke"})
+                          env=environment | {"OUT": str(tmp_path), "BENCH_GPU_MODE": mode})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "gpu_suite: sections pretrain, trainer, muon_step" in (tmp_path / "gpu_suite.log").read_text()
+    expected = [sections] if sections else list(gpu_sections.SECTIONS)
+    ordered = f"{sections};" if sections else "pretrain, trainer, muon_step"  # auto: by importance
+    assert f"gpu_suite: sections {ordered}" in (tmp_path / "gpu_suite.log").read_text()
     assert {path.name for path in tmp_path.glob("*_profile.txt")} == (
         {"hfl3_profile.txt", "hfl3_l3_profile.txt"} | ({"nanochat_profile.txt"} if have_nanochat else set()))
     results = json.loads((tmp_path / "gpu_suite_cpu_smoke.json").read_text())
     markdown = (tmp_path / "gpu_suite_cpu_smoke.md").read_text()
-    assert list(results["sections"]) == list(gpu_sections.SECTIONS)
+    assert list(results["sections"]) == expected
     checks = {check["what"]: check for check in results["environment"]["checks"]}
     assert checks["nanochat"]["ok"] is have_nanochat and checks["hfl3"]["ok"] and checks["cuda"]["found"] == "CPU"
     nanochat_missing = {gpu_sections.NANOCHAT_MISSING} if not have_nanochat else set()
@@ -181,7 +188,8 @@ def test_the_device_call_runs_every_section_at_smoke_sizes_and_fills_its_fields(
     config = L3GPTConfig.from_depth(sizes["depth"], vocab_size=sizes["vocab_size"], head_dim=sizes["head_dim"],
                                     max_position_embeddings=sizes["seq_len"], window_pattern="L")
     assert dense["flops_per_token"] == flops_per_token(config, sizes["seq_len"]) and dense["table_parameters"] == 0
-    assert set(results["sections"]["fp8"]["details"]["results"]) == {"hfl3", *gpu_sections.FP8_ARMS}
+    if "fp8" in expected:
+        assert set(results["sections"]["fp8"]["details"]["results"]) == {"hfl3", *gpu_sections.FP8_ARMS}
     assert "| measurement | hfl3 | reference | ratio | goal | pass/fail | note |" in markdown
 
 

@@ -1,5 +1,6 @@
 """Both recipes under accelerate's multi-process configs on a CPU machine: 2-process DDP (multi_cpu_ddp.yaml) and
-DeepSpeed ZeRO-2 / ZeRO-3 (zero2.yaml, zero3.yaml), each launched with `accelerate launch --config_file ...`.
+DeepSpeed ZeRO-2 / ZeRO-3 (zero2.yaml, zero3.yaml), each launched with `accelerate launch --config_file ...`. The
+ZeRO-2 cases are extended (`make test-extended`): ZeRO-3 shards what ZeRO-2 shards and the weights too.
 
 What is compared is what is deterministic up to float round-off (as in tests/test_muon_ddp.py), not the weights after
 20 Adam steps (Adam's first steps are ~sign(g): a gradient that nearly cancels over the batch turns the round-off of
@@ -42,6 +43,13 @@ WORLD_SIZE = 2
 PRETRAIN_STEPS, CHECKPOINT_STEP = 20, 10  # as in conftest.py
 PRETRAIN_POSITIONS = 8 * 64  # the global batch: 8 packed rows of max_length 64 (pretrain_tiny.yaml)
 SFT_POSITIONS = 4 * 128  # at most: 4 chats of max_length 128 (sft_tiny.yaml)
+
+
+def extended_zero2(*run: str):
+    """A ZeRO-2 case: extended (make test-extended), as its launch (~70 s on 2 cores) checks what ZeRO-3's launch
+    checks with the optimizer state sharded but not the weights; the AdamW resume's row-for-row check under ZeRO runs
+    there, DDP's in test_machines.py."""
+    return pytest.param("zero2", *run, marks=pytest.mark.extended)
 
 
 def hidden_size(folder: Path) -> int:
@@ -127,8 +135,8 @@ def test_ddp_pretrain_equals_single_process_bit_for_bit(ddp, reference, distribu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, run", [("zero2", "pretrain_adamw"), ("zero3", "pretrain_adamw"),
-                                         ("zero2", "pretrain_muon"), ("zero3", "pretrain_muon")])
+@pytest.mark.parametrize("config, run", [extended_zero2("pretrain_adamw"), ("zero3", "pretrain_adamw"),
+                                         extended_zero2("pretrain_muon"), ("zero3", "pretrain_muon")])
 def test_zero_pretrain_first_step_equals_single_process(request, reference, distributed_dir, config, run):
     """The same weights and rows at step 1 in every setup (and in the AdamW and Muon runs): DeepSpeed's averaged
     gradients are one process's up to the reduction order."""
@@ -164,7 +172,7 @@ def test_gradient_tolerance_can_tell(reference, distributed_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["zero2", "zero3"])
+@pytest.mark.parametrize("config", [extended_zero2(), "zero3"])
 def test_sharded_muon_is_not_a_silent_fallback(request, distributed_dir, config):
     """Muon under ZeRO trains with Muon: the AdamW run of the same launch (what a silent fallback would train) ends
     far from it (the sharded step itself equals DDP's: test_muon_sharded_distributed.py)."""
@@ -177,7 +185,7 @@ def test_sharded_muon_is_not_a_silent_fallback(request, distributed_dir, config)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, run", [("zero2", "pretrain_adamw"), ("zero2", "pretrain_muon"),
+@pytest.mark.parametrize("config, run", [extended_zero2("pretrain_adamw"), extended_zero2("pretrain_muon"),
                                          ("zero3", "pretrain_muon")])
 def test_resume_from_checkpoint_continues_identically(request, distributed_dir, config, run):
     """DDP's resume: tests/distributed/test_machines.py (two machines, after one was lost)."""
@@ -258,7 +266,7 @@ def test_pretrain_stops_when_accelerate_sets_up_world_size_1(ddp_without_use_cpu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["ddp", "zero2", "zero3"])
+@pytest.mark.parametrize("config", ["ddp", extended_zero2(), "zero3"])
 def test_sft_lora_first_step_equals_single_process(request, reference, sft_base, distributed_dir, config):
     """The first step's adapter gradients (2 processes x 2 chats against 1 x 4, the same chats) within the
     tolerance; the run lowers the eval loss and its adapter loads with the saved values."""
@@ -283,7 +291,7 @@ def test_sft_lora_first_step_equals_single_process(request, reference, sft_base,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["ddp", "zero2", "zero3"])
+@pytest.mark.parametrize("config", ["ddp", extended_zero2(), "zero3"])
 def test_full_sft_with_muon_first_step_equals_single_process(request, reference, sft_base, distributed_dir, config):
     """Every weight trained with MuonAdamW (`--use_peft false --optim muon`): the first step's gradients of every
     parameter (2 processes x 2 chats against 1 x 4) within the tolerance; the run lowers the eval loss and writes a
