@@ -170,12 +170,12 @@ class XdistGroupsCheck:
 DISTRIBUTED_TIMEOUT_S = 2 * 900 + 300
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the node ids
 def pytest_addoption(parser):
     parser.addoption("--extended", action="store_true",
                      help="also run the tests marked extended (make test-extended; make test skips them)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     import torch
 
