@@ -94,7 +94,7 @@ bench-gpu:
 bench-gpu-prepare: $(STAMP)
 	@test -n "$(NANOCHAT_DIR)" || { echo "make bench-gpu-prepare: set NANOCHAT_DIR to a karpathy/nanochat checkout"; exit 2; }
 	$(BIN)/python benchmarks/gpu_suite.py --prepare --nanochat_dir $(NANOCHAT_DIR)
-	$(BIN)/pytest -q -p no:xdist --extended "tests/test_benchmarks_smoke.py::test_the_device_call_runs_every_section_at_smoke_sizes_and_fills_its_fields[every]"
+	$(BIN)/pytest -q -p no:xdist --extended "tests/test_benchmarks_smoke.py::test_the_device_call_runs_its_sections_at_smoke_sizes_and_fills_their_fields[every]"
 
 clean:
 	rm -rf $(VENV) $(SERVING_VENV) build outputs

@@ -65,7 +65,7 @@ def pretrain_base(args: ChatSFTArguments) -> Path:
     """The demo's L3GPT pretrained with Muon into `base_dir` (the recipe, launched as `make demo` launches it); kept
     and reused."""
     base = Path(args.base_dir)
-    if (base / "model.safetensors").is_file() and (base / "optimizer.safetensors").is_file():
+    if (base / "model.safetensors").is_file() and (base / "optimizer/optimizer.safetensors").is_file():
         return base
     launch = "single_gpu.yaml" if torch.cuda.is_available() else "cpu.yaml"
     subprocess.run([os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",

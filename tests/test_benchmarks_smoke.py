@@ -143,7 +143,7 @@ CPU_ONLY_NOTES = {"peak memory is measured on CUDA only", "MFU needs a known GPU
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sections", ["pretrain", pytest.param(None, id="every", marks=pytest.mark.extended)])
-def test_the_device_call_runs_every_section_at_smoke_sizes_and_fills_its_fields(suite, repo_root, tmp_path, sections):
+def test_the_device_call_runs_its_sections_at_smoke_sizes_and_fills_their_fields(suite, repo_root, tmp_path, sections):
     """The device call as printed, at smoke sizes: `pretrain` (the first section of every GPU call, with the profiles)
     in make test; every section (~4 minutes here) in make test-extended and before each GPU call in make
     bench-gpu-prepare."""

@@ -147,7 +147,10 @@ def test_muon_sft_inherits_the_pretraining_run_and_warm_starts_its_optimizer(tmp
         "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path", str(pretrained), "--train_file",
         str(chats), "--output_dir", str(tmp_path / "out"), "--use_peft", "false", "--optim", "muon",
         "--max_steps", "2", "--matrix_lr", "0.01"])
-    assert setup.optimizer_state == pretrained / "optimizer.safetensors"
+    assert setup.optimizer_state == pretrained / "optimizer" / "optimizer.safetensors"
+    # vLLM loads every top-level *.safetensors of a model folder as weights: the state must not be one of them (it was,
+    # and `vllm serve` of a pretraining output failed on "KeyError: 'lm_head.weight/exp_avg'")
+    assert [path.name for path in pretrained.glob("*.safetensors")] == ["model.safetensors"]
     inherited = {name: value for name, (value, _) in setup.settings.items()}
     assert "max_length" not in inherited  # given by sft_tiny.yaml
     assert "matrix_lr" not in inherited  # given on the command line
@@ -169,7 +172,7 @@ def test_muon_sft_inherits_the_pretraining_run_and_warm_starts_its_optimizer(tmp
     groups = {g["name"]: g for g in optimizer.param_groups}
     assert groups["matrix"]["kind"] == "muon" and groups["l3_table"]["kind"] == "adamw"
     # the warm start: every parameter's state is the pretraining run's (names as pretraining saved them)
-    saved = load_file(pretrained / "optimizer.safetensors")
+    saved = load_file(pretrained / "optimizer" / "optimizer.safetensors")
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     for group in optimizer.param_groups:
         for parameter in group["params"]:
@@ -194,8 +197,8 @@ def test_a_warm_start_that_cannot_act_is_one_line_and_exit_2(tmp_path, chats, qw
     common = ["--config", "recipes/configs/sft_tiny.yaml", "--train_file", str(chats)]
     line = refusal(sft_recipe, capsys, *common, "--model_name_or_path", str(qwen3_folder), "--output_dir",
                    str(tmp_path / "a"), "--use_peft", "false", "--load_optimizer", "true")
-    assert line.endswith("has no optimizer.safetensors (recipes/pretrain.py writes one with its final model); pass "
-                         "--load_optimizer false to start the optimizer fresh")
+    assert line.endswith("has no optimizer/optimizer.safetensors (recipes/pretrain.py writes one with its final "
+                         "model); pass --load_optimizer false to start the optimizer fresh")
     line = refusal(sft_recipe, capsys, *common, "--model_name_or_path", str(pretrained), "--output_dir",
                    str(tmp_path / "b"), "--use_peft", "false", "--load_optimizer", "true")  # AdamW over a Muon state
     assert "holds MuonAdamW's state, and this run's optimizer is AdamW" in line

@@ -1,4 +1,4 @@
-"""An optimizer's state beside the weights it trained, keyed by parameter name: `optimizer.safetensors`.
+"""An optimizer's state beside the weights it trained, keyed by parameter name: `optimizer/optimizer.safetensors`.
 
 nanochat saves its optimizer with the final base checkpoint and its chat SFT warm-starts from it (`chat_sft.py
 --load-optimizer 1`: the momentum buffers and moments, with the SFT run's own learning rates; karpathy/nanochat 92d63d4).
@@ -23,7 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 FORMAT = "hfl3-optimizer-state"
-FILE = "optimizer.safetensors"
+# In a folder of its own: vLLM (and other loaders) read every `*.safetensors` at a model folder's top level as weights
+FILE = "optimizer/optimizer.safetensors"
 _PER_PARAMETER = ("momentum_buffer", "exp_avg", "exp_avg_sq")  # state entries of the parameter's own shape
 
 
@@ -51,6 +52,7 @@ def save_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
                     tensors[f"{names[id(parameter)]}/{key}"] = value.detach().to("cpu", copy=True).contiguous()
         groups.append({"kind": group.get("kind"), "name": group.get("name"), "params": group_names})
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, path, metadata={"format": FORMAT, "optimizer": type(optimizer).__name__,
                                        "groups": json.dumps(groups)})
     return path

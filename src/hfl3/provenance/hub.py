@@ -9,7 +9,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 # What an upload leaves out: checkpoints, a merged model pushed on its own, temporary files and the staging area
-IGNORED = ("checkpoint-*", "checkpoint-*/**", "merged/**", "*.tmp", ".*", "_hfl3*", "optimizer.safetensors")
+IGNORED = ("checkpoint-*", "checkpoint-*/**", "merged/**", "*.tmp", ".*", "_hfl3*", "optimizer/**")
 """Left out of an upload: checkpoints, a merged copy, temporary and hidden files, the staging area, and the optimizer
 state a pretraining folder keeps for SFT's warm start (twice the weights' size; `hfl3.optim.state_file`)."""
 

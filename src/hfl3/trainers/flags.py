@@ -211,7 +211,7 @@ _PRETRAIN_HONOURED = {
     "max_length": "packed row length and max_position_embeddings",
     "attend_across_documents": "PackedCollator",
     "fp8": "hfl3.fp8 (build_model)",
-    "save_optimizer": "finish_pretraining: optimizer.safetensors",
+    "save_optimizer": "finish_pretraining: optimizer/optimizer.safetensors",
     "overwrite_output_dir": "prepare_output_dir",
     "target_param_data_ratio": "compute_optimal_plan",
     "target_flops": "compute_optimal_plan",

@@ -118,8 +118,8 @@ class OptimizerMixin:
         return super().create_scheduler(num_training_steps, optimizer)
 
     def save_optimizer_state(self) -> Path | None:
-        """`optimizer.safetensors` in `args.output_dir` (inside `finish_output`: the staged final folder), written by
-        the main process, for an SFT run's warm start (`hfl3.optim.state_file`). Not under DeepSpeed or FSDP, whose
+        """`optimizer/optimizer.safetensors` in `args.output_dir` (inside `finish_output`: the staged final folder),
+        written by the main process, for an SFT run's warm start (`hfl3.optim.state_file`). Not under DeepSpeed or FSDP, whose
         optimizers hold shards (a log line says so). Returns the file, or None."""
         if self.optimizer is None:
             return None

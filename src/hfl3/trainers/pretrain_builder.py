@@ -198,7 +198,7 @@ def build_pretraining(script_args: PretrainScriptArguments, training_args: Pretr
 def finish_pretraining(run: PretrainRun, results: dict) -> None:
     """The output folder of a trained run: `metadata.json` (data, model, arguments, plan, results, CORE), committed
     whole with the weights, tokenizer, card, `all_results.json`, `loss.png` and (`--save_optimizer`) the optimizer
-    state `optimizer.safetensors`; then reloaded on the main process
+    state `optimizer/optimizer.safetensors`; then reloaded on the main process
     (`reload_and_generate`) and pushed with `--push_to_hub`. Call on every rank."""
     trainer, core = run.trainer, run.trainer.core_metric
     trainer.provenance = provenance.build_metadata(

@@ -69,8 +69,8 @@ class ChatSFTConfig(MuonTrainingArguments, SFTConfig):
         early_stopping_threshold: minimum improvement that counts.
         init_lr_frac: with Muon, the LRs start at this fraction of the group LRs (nanochat chat SFT: 0.8).
         load_optimizer: with Muon or AdamW over every weight, warm-start the optimizer from the base's
-            `optimizer.safetensors` (nanochat chat SFT's `--load-optimizer`); None: when the base folder has the
-            state of this run's optimizer.
+            `optimizer/optimizer.safetensors` (nanochat chat SFT's `--load-optimizer`); None: when the base folder
+            has the state of this run's optimizer.
         use_muon, the Muon group LRs (`matrix_lr`, ...), `warmdown_ratio` (here 0.5), `final_lr_frac`: as
             pretraining's, and inherited from a base that `recipes/pretrain.py` wrote unless given.
     """
@@ -91,8 +91,8 @@ class ChatSFTConfig(MuonTrainingArguments, SFTConfig):
     init_lr_frac: float = field(default=0.8, metadata={"help": "With --optim muon: the LRs start at this fraction "
                                                        "of the group LRs (nanochat chat SFT)."})
     load_optimizer: bool | None = field(default=None, metadata={
-        "help": "Warm-start the optimizer from the base's optimizer.safetensors (a recipes/pretrain.py output); "
-                "default: when it holds this run's optimizer's state."})
+        "help": "Warm-start the optimizer from the base's optimizer/optimizer.safetensors (a recipes/pretrain.py "
+                "output); default: when it holds this run's optimizer's state."})
     save_steps: float | None = field(default=None, metadata={
         "help": "Save every N steps (given alone: --save_strategy steps); default: at every evaluation, else 500."})
     gradient_checkpointing: bool | None = field(
