@@ -44,13 +44,19 @@ def command(repo_root, base, output_dir, *extra):
             "--save_steps", "1", "--num_train_epochs", "1", *extra]
 
 
-def start_and_stop(repo_root, base, output_dir, sig, checkpoints: int, *extra):
-    """Start the recipe, send `sig` once its run folder holds `checkpoints` checkpoints; return (exit code, stderr)."""
+def steps(run_dir) -> list[int]:
+    return sorted(int(path.name.split("-")[1]) for path in run_dir.glob("checkpoint-*"))
+
+
+def start_and_stop(repo_root, base, output_dir, sig, step: int, *extra):
+    """Start the recipe, send `sig` once its run folder holds the checkpoint of `step` or a later one; return (exit
+    code, stderr). By step, not by count: sft_tiny.yaml keeps 2 checkpoints (`save_total_limit`), and a count of 3
+    was seen only in the instant between a save and the rotation, or never (the run then ended before the signal)."""
     run_dir = output_dir / STAGING / "run"
     process = subprocess.Popen(command(repo_root, base, output_dir, *extra), cwd=repo_root, stderr=subprocess.PIPE,
                                stdout=subprocess.DEVNULL, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.monotonic() + 300
-    while len(list(run_dir.glob("checkpoint-*"))) < checkpoints and process.poll() is None:
+    while not [s for s in steps(run_dir) if s >= step] and process.poll() is None:
         assert time.monotonic() < deadline, "no checkpoint within 300 s"
         time.sleep(0.05)
     process.send_signal(sig)
@@ -75,14 +81,14 @@ def test_an_interrupted_overwrite_keeps_the_old_folder_and_resumes_its_own_check
     assert last.endswith("'s own files are as they were before this run): add --overwrite_output_dir "
                          "--resume_from_checkpoint latest to continue from it")
     assert tree(output_dir) == before  # byte for byte: the old run's checkpoint-2 included
-    staged = sorted(int(p.name.split("-")[1]) for p in (output_dir / STAGING / "run").glob("checkpoint-*"))
-    assert len(staged) >= 2
+    staged = steps(output_dir / STAGING / "run")
+    assert staged[-1] >= 2
 
     again = ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"]
-    code, stderr = start_and_stop(repo_root, base, output_dir, signal.SIGKILL, len(staged) + 1, *again)
+    code, stderr = start_and_stop(repo_root, base, output_dir, signal.SIGKILL, staged[-1] + 1, *again)
     assert code == -signal.SIGKILL
     assert tree(output_dir) == before
-    staged = sorted(int(p.name.split("-")[1]) for p in (output_dir / STAGING / "run").glob("checkpoint-*"))
+    staged = steps(output_dir / STAGING / "run")
 
     finish = subprocess.run(command(repo_root, base, output_dir, *again, "--max_steps", str(staged[-1] + 1)),
                             cwd=repo_root, capture_output=True, text=True, timeout=300)
