@@ -13,7 +13,7 @@ supervised tokens per second of training (the step-0 evaluation excluded; the fi
 the peak RSS (CPU) or CUDA memory. Every arm runs one batch of the demo's 16 rows per step (`--gradient_accumulation_
 steps 1`: a full fine-tuning would otherwise take the base's total batch, `hfl3.trainers.sft_inheritance`).
 
-    python benchmarks/chat_sft.py --json benchmarks/results/chat_sft_cpu.json            # CPU: ~14 minutes on 2 cores (5 of them the base, once)
+    python benchmarks/chat_sft.py --json benchmarks/results/chat_sft_cpu.json    # CPU: ~14 min on 2 cores (5: the base)
     python benchmarks/chat_sft.py --arms full_muon full_muon_warm --seeds 0 --max_steps 20
 
 On a GPU the same arms run at the shape the arguments give (`make bench-gpu` runs them as the `chat_sft` section).

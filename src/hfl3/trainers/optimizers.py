@@ -119,8 +119,8 @@ class OptimizerMixin:
 
     def save_optimizer_state(self) -> Path | None:
         """`optimizer/optimizer.safetensors` in `args.output_dir` (inside `finish_output`: the staged final folder),
-        written by the main process, for an SFT run's warm start (`hfl3.optim.state_file`). Not under DeepSpeed or FSDP, whose
-        optimizers hold shards (a log line says so). Returns the file, or None."""
+        written by the main process, for an SFT run's warm start (`hfl3.optim.state_file`). Not under DeepSpeed or
+        FSDP, whose optimizers hold shards (a log line says so). Returns the file, or None."""
         if self.optimizer is None:
             return None
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:

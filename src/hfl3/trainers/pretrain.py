@@ -83,8 +83,8 @@ class PretrainConfig(MuonTrainingArguments, TrainingArguments):
     )
     fp8: str | None = field(default=None, metadata={"help": "tensorwise or rowwise: hfl3.fp8 Float8Linear"})
     save_optimizer: bool = field(default=True, metadata={"help": "write the optimizer state "
-                                                         "(optimizer/optimizer.safetensors) with the final model, for SFT's --load_optimizer (not "
-                                                         "pushed to the Hub)"})
+                                                         "(optimizer/optimizer.safetensors) with the final model, "
+                                                         "for SFT's --load_optimizer (not pushed to the Hub)"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "replace a non-empty output_dir's files "
                                                                 "when this run finishes"})
     target_param_data_ratio: float | None = field(

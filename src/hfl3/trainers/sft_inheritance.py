@@ -8,7 +8,7 @@ optimizer's state, unless given. Decided once, while the arguments are parsed (`
 | `max_length`, `per_device_train_batch_size` | `training_args` | every weight trained (`--use_peft false`) |
 | `gradient_accumulation_steps` | `compute_optimal.total_batch_size` tokens / (rows × `max_length` × processes) | none of the three given |
 | `matrix_lr`, `embedding_lr`, ... (`GroupLearningRates`), `batch_lr_scale` | `training_args`, `compute_optimal.lr_scale` | with `--optim muon` |
-| the optimizer's state (`--load_optimizer`) | the base folder's `optimizer/optimizer.safetensors` | its optimizer is this run's |
+| the optimizer's state (`--load_optimizer`) | the base's `optimizer/optimizer.safetensors` | its optimizer is this run's |
 
 A full fine-tuning with AdamW takes TRL's learning rate, 2e-5, unless given (hfl3's 2e-4 is LoRA's).
 """
