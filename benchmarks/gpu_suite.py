@@ -317,9 +317,16 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
+def _measured(entry: dict) -> tuple[int, bool]:
+    """How many of a section's rows hold an hfl3 number (a section cut off or crashed holds fewer), then whether it
+    finished: what `merge` compares."""
+    return sum(row.get("hfl3") is not None for row in entry.get("rows", [])), entry["status"] == "done"
+
+
 def merge(paths: list[str], out_dir: str) -> Path:
-    """Merge suite JSONs of one device (later files' sections win unless theirs did not finish and the earlier one
-    did) into `out_dir`, and write its markdown.
+    """Merge suite JSONs of one device (a later file's section wins unless it measured fewer rows than the earlier
+    one, or as many but did not finish: an overrun that measured more beats a finished run whose arms crashed) into `out_dir`, and write its
+    markdown.
 
     Raises:
         ValueError: the files are from different devices or profiles.
@@ -335,7 +342,7 @@ def merge(paths: list[str], out_dir: str) -> Path:
         merged["environment"] = environment
         for name, entry in part["sections"].items():
             earlier = merged["sections"].get(name)
-            if earlier is None or entry["status"] == "done" or earlier["status"] != "done":
+            if earlier is None or _measured(entry) >= _measured(earlier):
                 merged["sections"][name] = entry
     merged["sections"] = {name: merged["sections"][name] for name in SECTIONS if name in merged["sections"]}
     profile = Profile(merged["environment"]["profile"], "cuda")

@@ -246,23 +246,30 @@ def test_rows_compute_ratio_and_judge_the_goal(suite, hfl3, reference, goal, rat
 def test_merge_keeps_finished_sections_and_refuses_another_device(suite, tmp_path):
     gpu_suite = suite[2]
 
-    def part(device: str, sections: dict) -> str:
+    def row(hfl3):
+        return suite[1].row("m", hfl3, 1.0, "ref")
+
+    def part(device: str, sections: dict, measured: tuple = ()) -> str:
         environment = {"date": "2026-11-25T10:00:00+00:00", "profile": "gpu", "device": device, "commit": "abc",
                        "versions": {}, "checks": []}
-        entries = {name: {"status": status, "rows": [], "details": None, "seconds": 1.0, "run": environment}
+        entries = {name: {"status": status, "rows": [row(1.0 if name in measured else None)],
+                          "details": None, "seconds": 1.0, "run": environment}
                    for name, status in sections.items()}
         path = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
         path.write_text(json.dumps({"environment": environment, "sections": entries}))
         return str(path)
 
-    first = part("NVIDIA H100 80GB HBM3", {"pretrain": "done", "fp8": "overran", "sft": "done"})
-    second = part("NVIDIA H100 80GB HBM3", {"fp8": "done", "pretrain": "failed", "trainer": "done"})
+    first = part("NVIDIA H100 80GB HBM3", {"pretrain": "done", "fp8": "overran", "sft": "done", "loss": "done"})
+    second = part("NVIDIA H100 80GB HBM3", {"fp8": "done", "pretrain": "failed", "trainer": "done",
+                                            "loss": "overran"}, measured=("loss",))
     out = gpu_suite.merge([first, second], str(tmp_path / "merged"))
     assert out.name == "gpu_suite_h100_80gb_hbm3.json" and out.with_suffix(".md").exists()
     merged = json.loads(out.read_text())["sections"]
+    # a later section wins unless it measured less, or as much without finishing; an overrun that measured more
+    # rows (loss) beats a finished section whose arms crashed
     assert {name: entry["status"] for name, entry in merged.items()} == {
-        "pretrain": "done", "fp8": "done", "trainer": "done", "sft": "done"}
-    assert list(merged) == ["pretrain", "trainer", "fp8", "sft"]  # the suite's order
+        "pretrain": "done", "fp8": "done", "trainer": "done", "sft": "done", "loss": "overran"}
+    assert list(merged) == ["pretrain", "trainer", "fp8", "loss", "sft"]  # the suite's order
     other = part("NVIDIA H200", {"loss": "done"})
     with pytest.raises(ValueError, match="NVIDIA H200 .gpu. is not NVIDIA H100"):
         gpu_suite.merge([first, other], str(tmp_path / "merged"))
