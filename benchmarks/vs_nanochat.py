@@ -12,6 +12,9 @@ Arms (each in a fresh process, so compile caches and peak memory are its own):
 - `hfl3_l3`: the same with one L3 layer after layer `depth // 2 - 1` (LZW allocation of the token stream).
 - `hfl3_legacy`: the same dense model without nanochat master's value embeddings, smear and backout
   (`LEGACY_FIELD_VALUES`, the core before them), for the question whether the new core costs tokens/s.
+- `hfl3_liger`, `hfl3_chunked`: `hfl3` with the memory-light training loss (`--loss_implementation liger` /
+  `chunked`) instead of the default, the logits inside the compiled graph; `hfl3_fp32_embeddings`: `hfl3` with
+  float32 token and value-embedding tables (`--embedding_dtype float32`) instead of bf16.
 - `hfl3_fp8_tensorwise`, `hfl3_fp8_rowwise`: `hfl3` with `convert_to_float8_training(model, recipe)` before the
   Trainer, as `recipes/pretrain.py --fp8 ...` does (bf16 autocast around the FP8 matmuls).
 - `hfl3_fp8_ao`: `hfl3` with FP8 through accelerate's torchao backend, launched as
@@ -57,7 +60,8 @@ from common import ModelShape, device_shape, in_fresh_process, shown_path, write
 
 # What each hfl3 arm changes: an L3 layer, the core before nanochat master's features, an FP8 recipe
 HFL3_ARMS = {
-    "hfl3": {}, "hfl3_l3": {"l3": True}, "hfl3_legacy": {"legacy_core": True},
+    "hfl3": {}, "hfl3_l3": {"l3": True}, "hfl3_legacy": {"legacy_core": True}, "hfl3_liger": {"loss": "liger"},
+    "hfl3_chunked": {"loss": "chunked"}, "hfl3_fp32_embeddings": {"embedding_dtype": "float32"},
     "hfl3_fp8_tensorwise": {"fp8": "tensorwise"}, "hfl3_fp8_rowwise": {"fp8": "rowwise"}, "hfl3_fp8_ao": {"fp8": "ao"},
 }
 ARMS = ("nanochat", *HFL3_ARMS)
@@ -248,6 +252,7 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
         warmup_steps=2, eval_strategy="no", report_to="none", logging_steps=args.steps, disable_tqdm=True,
         attend_across_documents=True, dataloader_num_workers=args.dataloader_num_workers, save_strategy="no",
         fp8=recipe if recipe != "ao" else None, use_cpu=device == "cpu",  # bf16 on a CPU needs use_cpu
+        loss_implementation=change.get("loss", "auto"), embedding_dtype=change.get("embedding_dtype", "auto"),
     )
     # initialised where it trains: a d20 model's CPU init alone takes seconds
     model = build_model(config, training_args, lambda: rows[: max(1, 200_000 // args.seq_len)].tolist(), device)
@@ -364,6 +369,9 @@ def main(args: VsNanochatArguments, on_result=None) -> dict:
         print(f"{arm}: {results[-1]['tok_per_sec']:.0f} tok/s", flush=True)
         if on_result:
             on_result(results[-1])
+        if args.json:  # what is done so far survives a run cut off by its time limit
+            write_result(args.json, {"args": asdict(args) | {"nanochat_dir": shown_path(args.nanochat_dir)},
+                                     "device": device, "torch": torch.__version__, "results": results})
     reference = print_table(args, results, device)
     recorded = asdict(args) | {"nanochat_dir": shown_path(args.nanochat_dir)}
     output = {"args": recorded, "device": device, "torch": torch.__version__, "reference": reference["arm"],

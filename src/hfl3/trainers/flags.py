@@ -211,6 +211,8 @@ _PRETRAIN_HONOURED = {
     "max_length": "packed row length and max_position_embeddings",
     "attend_across_documents": "PackedCollator",
     "fp8": "hfl3.fp8 (build_model)",
+    "loss_implementation": "build_model: L3GPTForCausalLM.set_loss_implementation",
+    "embedding_dtype": "build_model: the token and value-embedding tables' dtype",
     "save_optimizer": "finish_pretraining: optimizer/optimizer.safetensors",
     "overwrite_output_dir": "prepare_output_dir",
     "target_param_data_ratio": "compute_optimal_plan",

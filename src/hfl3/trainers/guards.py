@@ -18,6 +18,7 @@ import os
 
 import pyarrow.compute as pc
 import torch
+from accelerate.utils import DistributedType
 from transformers.trainer_utils import get_last_checkpoint
 
 from hfl3.callbacks import BeforeLogSaveEvaluate
@@ -137,9 +138,19 @@ class NonFiniteGuard:
         return loss
 
     def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and self._gradients_are_plain_tensors():
+            # without clipping, transformers measures the norm with clip_grad_norm_(inf), which also multiplies every
+            # gradient by 1 (a read and a write of all of them per step): measure it alone
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         self._record_nonfinite("gradient norm", grad_norm)
         return grad_norm
+
+    def _gradients_are_plain_tensors(self) -> bool:
+        """Whole, unscaled gradients in `.grad` (one process or DDP, no fp16 loss scaling): their norm is the
+        norm of the model's gradient."""
+        plain = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+        return self.accelerator.distributed_type in plain and self.accelerator.scaler is None
 
     def check_finite(self, parameters: bool = False) -> None:
         """Read the flags (one device sync; a gather across processes when distributed) and raise if a loss or a

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 from transformers import EvalPrediction, Trainer, TrainingArguments
 from transformers.trainer_utils import speed_metrics
 
@@ -17,6 +17,7 @@ from hfl3.callbacks import BeforeLogSaveEvaluate, ThroughputCallback
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DATA_STATE_KEY, PackedStream, StreamBatch, StreamProgress, stream_dataloader
 from hfl3.evaluate.callback import CoreMetricCallback, check_core_arguments
+from hfl3.models.l3gpt.modeling_l3gpt import LOSS_IMPLEMENTATIONS
 from hfl3.trainers.arguments import check_training_arguments
 from hfl3.trainers.compute_optimal import derive_gradient_accumulation_steps
 from hfl3.trainers.guards import NonFiniteGuard
@@ -25,6 +26,8 @@ from hfl3.trainers.optimizers import MuonTrainingArguments, OptimizerMixin
 from hfl3.trainers.output_mixins import PretrainOutputs
 
 logger = logging.getLogger(__name__)
+
+EMBEDDING_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -42,6 +45,7 @@ class PretrainConfig(MuonTrainingArguments, TrainingArguments):
 
     Added fields: `max_length` (packed row length, as TRL spells it; also the model's `max_position_embeddings`),
     `use_muon` and the Muon group LRs, `warmdown_ratio`, `final_lr_frac`, `attend_across_documents`, `fp8`,
+    `loss_implementation` (`L3GPTForCausalLM.set_loss_implementation`), `embedding_dtype` (`resolved_embedding_dtype`),
     `save_optimizer` (the optimizer state with the final model, as nanochat keeps it for its chat SFT),
     `overwrite_output_dir` (absent from transformers 5), and nanochat's compute-optimal dial
     `target_param_data_ratio`, `target_flops`, `total_batch_size`, and the CORE metric's `core_metric_every`
@@ -60,12 +64,15 @@ class PretrainConfig(MuonTrainingArguments, TrainingArguments):
 
     Defaults that differ from `TrainingArguments`: `optim="adamw_torch"`, `lr_scheduler_type="warmup_stable_decay"`
     (nanochat: warmup → constant → linear warmdown over the last `warmdown_ratio` of the steps to `final_lr_frac` ×
-    LR), `learning_rate=3e-3`, `weight_decay=0.0`, `adam_beta2=0.95`, `max_grad_norm=1.0`, `eval_strategy="steps"`,
+    LR), `learning_rate=3e-3`, `weight_decay=0.0`, `adam_beta2=0.95`, `max_grad_norm` 0 with Muon (nanochat's
+    base_train clips nothing) else 1.0, `eval_strategy="steps"`,
     `logging_steps=10`, `save_strategy` "no" unless `save_steps` is given, `remove_unused_columns=False`,
     `include_num_input_tokens_seen=True` ("all", counted without a per-step device sync by `PretrainTrainer`),
-    `logging_nan_inf_filter=False` (transformers' filter syncs the device every step and logs a non-finite loss as
-    the running mean, hiding a divergence), `ignore_data_skip=True` (a streamed dataset resumes from the state saved
-    in the checkpoint, not by skipping batches), `save_safetensors` always (transformers v5).
+    `accelerator_config={"non_blocking": True}` with pinned DataLoader memory (a prepared loader's batches reach the
+    device without a host wait), `logging_nan_inf_filter=False` (transformers' filter syncs the device every step
+    and logs a non-finite loss as the running mean, hiding a divergence), `ignore_data_skip=True` (a streamed dataset
+    resumes from the state saved in the checkpoint, not by skipping batches), `save_safetensors` always
+    (transformers v5).
     """
 
     _argument_group_name = ("training (PretrainConfig: transformers.TrainingArguments; hfl3's fields last: "
@@ -82,6 +89,14 @@ class PretrainConfig(MuonTrainingArguments, TrainingArguments):
                   "position_ids"},
     )
     fp8: str | None = field(default=None, metadata={"help": "tensorwise or rowwise: hfl3.fp8 Float8Linear"})
+    loss_implementation: str = field(default="auto", metadata={
+        "help": "the training loss: logits (built inside the compiled graph, nanochat's), chunked (PyTorch, no "
+                "(batch, seq, vocab) logits), liger (Liger's fused kernel, CUDA) or auto: logits when compiled, "
+                "else liger on CUDA, else chunked"})
+    embedding_dtype: str = field(default="auto", metadata={
+        "help": "dtype of the token embedding and value-embedding tables: float32, bfloat16, or auto: bfloat16 "
+                "with --bf16 (nanochat's: half their parameter, gradient and AdamW bytes; a bf16 residual stream), "
+                "except under DeepSpeed or FSDP (one dtype per flat or sharded group), else float32"})
     save_optimizer: bool = field(default=True, metadata={"help": "write the optimizer state "
                                                          "(optimizer/optimizer.safetensors) with the final model, "
                                                          "for SFT's --load_optimizer (not pushed to the Hub)"})
@@ -111,6 +126,9 @@ class PretrainConfig(MuonTrainingArguments, TrainingArguments):
     weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay on >=2-D weights (λ_ref, "
                                                         "rescaled when the compute-optimal dial sizes the run)"})
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
+    max_grad_norm: float | None = field(default=None, metadata={
+        "help": "gradient clipping (0: none); default 0 with --optim muon (nanochat's base_train clips nothing), "
+                "else 1.0 (transformers')"})
     eval_strategy: str = field(default="steps", metadata={"help": "see TrainingArguments; no: no evaluation at all"})
     eval_on_start: bool | None = field(default=None, metadata={"help": "evaluate at step 0, inside train() (default: "
                                                                "when evaluating, unless resuming)"})
@@ -127,6 +145,7 @@ class PretrainConfig(MuonTrainingArguments, TrainingArguments):
 
     def __post_init__(self):
         check_training_arguments(self)  # a zero/negative learning rate or max_steps 0 trains nothing
+        default_accelerator_config = self.accelerator_config is None
         check_core_arguments(self)
         set_up_cpu_process_group(self)  # --ddp_timeout acts with --use_cpu too
         self.take_muon_out_of_optim()
@@ -136,6 +155,13 @@ class PretrainConfig(MuonTrainingArguments, TrainingArguments):
             self.save_steps = 500  # transformers' default
         if self.fp8 not in (None, "tensorwise", "rowwise"):
             raise ValueError(f"fp8={self.fp8!r}; expected tensorwise, rowwise or unset")
+        if self.loss_implementation not in LOSS_IMPLEMENTATIONS:
+            raise ValueError(f"loss_implementation={self.loss_implementation!r}; expected one of "
+                             f"{', '.join(LOSS_IMPLEMENTATIONS)}")
+        if self.embedding_dtype not in EMBEDDING_DTYPES:
+            raise ValueError(f"embedding_dtype={self.embedding_dtype!r}; expected one of {', '.join(EMBEDDING_DTYPES)}")
+        if self.max_grad_norm is None:  # nanochat's base_train does not clip (Muon's updates are orthogonalised)
+            self.max_grad_norm = 0.0 if self.use_muon else 1.0
         if self.auto_find_batch_size:
             # Halving the batch after an out-of-memory error would change the total batch the run was planned with
             # and restart the data stream from a state that no longer matches what was trained
@@ -154,9 +180,23 @@ class PretrainConfig(MuonTrainingArguments, TrainingArguments):
                 "slower than bf16 (0.65x bf16 on an H100 at d12 and d20, dev/LOG.md 2026-11-23); add "
                 "--torch_compile true", self.fp8)
         super().__post_init__()
+        if default_accelerator_config and self.dataloader_pin_memory:
+            # accelerate's DataLoaderShard copies a prepared loader's pinned batches to the device without blocking
+            self.accelerator_config.non_blocking = True
         if self.total_batch_size is not None and self.total_batch_size > 0:  # the auto batch is checked when planned
             derive_gradient_accumulation_steps(self.total_batch_size, self.per_device_train_batch_size,
                                                self.max_length, self.world_size)
+
+    def resolved_embedding_dtype(self) -> torch.dtype:
+        """The dtype `build_model` stores the token-embedding and value-embedding tables in: `embedding_dtype`, or
+        for "auto" bfloat16 when training in bf16 on one process or under DDP (nanochat's `init_weights` casts them
+        to its compute dtype: "optimizer can tolerate reduced-precision embeddings and it saves memory"), float32
+        otherwise (DeepSpeed and FSDP flatten or shard parameter groups of one dtype; fp16 needs fp32 master
+        tables for its gradient scaler)."""
+        if self.embedding_dtype != "auto":
+            return getattr(torch, self.embedding_dtype)
+        sharded = self.distributed_state.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+        return torch.bfloat16 if self.bf16 and not sharded else torch.float32
 
     def apply_compute_optimal_plan(self, plan) -> None:
         """Size this run by `plan` (a `hfl3.trainers.compute_optimal.ComputeOptimalPlan` computed from these
@@ -294,13 +334,25 @@ class PretrainTrainer(NonFiniteGuard, OptimizerMixin, PretrainOutputs, Trainer):
                                  workers, pin_memory=self.args.dataloader_pin_memory, **extra)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
-        """The Trainer's batches for one optimizer step; the stream state each carries moves into `data_progress`."""
-        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        for batch in batch_samples:
+        """The Trainer's batches for one optimizer step, on `device`: the stream state each carries moves into
+        `data_progress` (from the host rows), then its tensors are copied to the device without blocking (the
+        DataLoader pins them), so that the Trainer counts `num_items_in_batch` on the device and its
+        `_prepare_inputs` finds them there: no host wait per tensor, where a blocking copy of each (and of the count)
+        would drain the GPU's queue every step."""
+        return super().get_batch_samples(self._batches_on_device(epoch_iterator, num_batches, device), num_batches,
+                                         device)
+
+    def _batches_on_device(self, epoch_iterator, num_batches: int, device: torch.device):
+        for _ in range(num_batches):
+            try:
+                batch = next(epoch_iterator)
+            except StopIteration:
+                return
             state = batch.pop(DATA_STATE_KEY, None)
             if state is not None:
                 self.data_progress.consume(state, batch["input_ids"])
-        return batch_samples, num_items_in_batch
+            yield {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
+                   for key, value in batch.items()}
 
     def save_resume_state(self, folder) -> None:
         """`hfl3_run.json` and this process's data-stream progress (`data_state_rank{R}.safetensors`), written into

@@ -96,7 +96,9 @@ def build_model(config: L3GPTConfig, training_args: PretrainConfig,
     allocation computed from `allocation_sample()` (token sequences; by global rank 0 for every rank), or the given
     `allocation` (`lzw_allocation`'s rows per token, `(vocab_size,)`; a benchmark computes it once for its arms);
     neither: the uniform one, or the one a resumed checkpoint brings. Converted to FP8 when `training_args.fp8` asks,
-    or checked for accelerate's torchao backend. Initialised on `device` (default: the CPU; the Trainer moves it).
+    or checked for accelerate's torchao backend; its training loss set by `--loss_implementation`; its token and
+    value-embedding tables stored in `training_args.resolved_embedding_dtype()`. Initialised on `device` (default:
+    the CPU; the Trainer moves it).
 
     Raises:
         ValueError: an FP8 setup `hfl3.fp8` refuses.
@@ -114,6 +116,13 @@ def build_model(config: L3GPTConfig, training_args: PretrainConfig,
         logger.info("fp8 through accelerate's torchao backend: %s", ao_fp8)
     if training_args.fp8:
         fp8.convert_to_float8_training(model, recipe=training_args.fp8)  # logs the converted layers
+    model.set_loss_implementation(training_args.loss_implementation)
+    embedding_dtype = training_args.resolved_embedding_dtype()
+    if embedding_dtype != torch.float32:
+        model.model.embed_tokens.to(embedding_dtype)
+        model.model.value_embeddings.to(embedding_dtype)
+        logger.info("token and value embeddings stored in %s (--embedding_dtype %s)",
+                    str(embedding_dtype).removeprefix("torch."), training_args.embedding_dtype)
     counts = parameter_counts(model)
     logger.info("model: %.2fM parameters, %.2fM scaling (matrices and lm_head), %.2fM in L3 tables",
                 counts["total"] / 1e6, counts["scaling"] / 1e6, counts["l3_table"] / 1e6)

@@ -236,6 +236,7 @@ def causal_lm_loss(
     num_items_in_batch: torch.Tensor | int | None = None,
     ignore_index: int = -100,
     shift_labels: torch.LongTensor | None = None,
+    backend: str = "auto",
     **kwargs,
 ) -> torch.Tensor:
     """transformers' `ForCausalLMLoss` of the logits `softcap(hidden_states @ weightᵀ)`, without building them.
@@ -243,14 +244,14 @@ def causal_lm_loss(
     `labels` `(batch_size, seq_len)` are unshifted (position t is scored on `labels[t + 1]`; or pass pre-shifted
     `shift_labels`); `ignore_index` targets add nothing. The result is the summed NLL divided by
     `num_items_in_batch` when given (exact gradient accumulation), else by the number of non-ignored targets (NaN
-    when there is none, as `ForCausalLMLoss`). `hidden_states` `(batch_size, seq_len, hidden_size)`; other `kwargs`
-    are ignored, as in transformers.
+    when there is none, as `ForCausalLMLoss`). `hidden_states` `(batch_size, seq_len, hidden_size)`; `backend` as
+    `linear_cross_entropy`'s; other `kwargs` are ignored, as in transformers.
     """
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = hidden_states.reshape(-1, hidden_states.size(-1))  # (B·T, C)
     targets = shift_labels.reshape(-1).to(hidden.device)  # (B·T,)
-    nll_sum = linear_cross_entropy(hidden, weight, targets, softcap, ignore_index)[0]
+    nll_sum = linear_cross_entropy(hidden, weight, targets, softcap, ignore_index, backend=backend)[0]
     if num_items_in_batch is None:
         return nll_sum / (targets != ignore_index).sum()
     if torch.is_tensor(num_items_in_batch):

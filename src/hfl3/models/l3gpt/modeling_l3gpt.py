@@ -29,7 +29,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .attention_utils import L3GPTRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 from .configuration_l3gpt import L3GPTConfig
 from .layers import L3GPTRMSNorm, initialize, uniform_bound, with_init
-from .linear_cross_entropy import causal_lm_loss, register_zero3_owner
+from .linear_cross_entropy import causal_lm_loss, liger_applies, register_zero3_owner
 from .lookup import L3TablesMixin, LargeLookupLayer, TokenTablesResizeMixin, l3_routing
 from .offload import L3OffloadMixin
 
@@ -40,6 +40,10 @@ VALUE_EMBEDDING_GATE_RANGE = 3.0
 BACKOUT_LAMBDA_INIT = 0.2
 # Attention implementations that apply causality themselves when given no mask (`is_causal` / `causal=True`).
 CAUSAL_FLAG_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
+# How the training loss is computed (`L3GPTForCausalLM.loss_implementation`): "logits" builds the logits as eval mode
+# does (nanochat's loss; Inductor fuses softcap and cross-entropy into the graph), "chunked" and "liger" are
+# `linear_cross_entropy`'s memory-light backends, "auto" picks one (`L3GPTForCausalLM.training_loss_path`).
+LOSS_IMPLEMENTATIONS = ("auto", "logits", "chunked", "liger")
 
 
 class L3GPTAttention(nn.Module):
@@ -257,6 +261,14 @@ class L3GPTPreTrainedModel(TokenTablesResizeMixin, L3OffloadMixin, PreTrainedMod
             init.copy_(module.inv_freq, inv_freq)
             init.copy_(module.original_inv_freq, inv_freq)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The matrices' dtype (the first decoder layer's query projection): transformers takes the first floating
+        parameter's, the token embedding's here, which `--embedding_dtype` may store in bfloat16 beside float32
+        master matrices (what `save_pretrained` writes as `config.dtype` and a reload then casts to)."""
+        decoder = self.model if isinstance(self, L3GPTForCausalLM) else self
+        return decoder.layers[0].self_attn.q_proj.weight.dtype
+
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs):
         """transformers' `save_pretrained`; a folder saved with remote code also names `L3GPTModel` under
         `auto_map.AutoModel` (transformers writes only the saved class's entry; `AutoModel` with
@@ -288,6 +300,14 @@ class L3GPTModel(L3TablesMixin, L3GPTPreTrainedModel):
         self.l3_bounds = nn.Buffer(self.uniform_bounds(), persistent=True)
         self.gradient_checkpointing = False
         self.post_init()
+
+    def residual_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of the residual stream: bfloat16 under bf16 autocast (nanochat runs its whole stream in its
+        compute dtype: half the bytes of every activation it saves and of every elementwise op over it), else the
+        matrices' dtype (so embedding tables stored in bf16 beside float32 matrices are upcast)."""
+        if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == torch.bfloat16:
+            return torch.bfloat16
+        return self.layers[0].self_attn.q_proj.weight.dtype
 
     def attention_masks(
         self,
@@ -357,6 +377,7 @@ class L3GPTModel(L3TablesMixin, L3GPTPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         elif len(self.l3_layers) + len(self.value_embeddings) and input_ids is None:
             raise ValueError("L3 layers and value embeddings read rows by token id: pass input_ids, not inputs_embeds")
+        inputs_embeds = inputs_embeds.to(self.residual_dtype(inputs_embeds.device))
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if use_cache and past_key_values is None:
@@ -405,12 +426,16 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
     `ForCausalLMLoss` semantics on unshifted `labels` (the shift is inside; -100 ignored), exact under gradient
     accumulation when the Trainer passes `num_items_in_batch`.
 
-    In training mode with `labels`, the loss is computed by `linear_cross_entropy.causal_lm_loss` (Liger's fused
-    linear cross-entropy on CUDA when installed, a chunked PyTorch function elsewhere) and no `(batch, seq, vocab)`
-    float32 logits are built: `logits` is then None unless `return_logits=True`. In eval mode, or without labels,
-    the logits are returned and the loss is `self.loss_function` of them."""
+    In training mode with `labels`, `logits` is None (unless `return_logits=True`) and the loss is computed as
+    `loss_implementation` says (`training_loss_path`): from the logits inside a `torch.compile` graph (nanochat's
+    loss: Inductor fuses the softcap and the cross-entropy, no float32 `(batch, seq, vocab)` tensor is kept), or by
+    `linear_cross_entropy.causal_lm_loss` without building them (Liger's fused kernel on CUDA when installed, a
+    chunked PyTorch function elsewhere). In eval mode, or without labels, the logits are returned and the loss is
+    `self.loss_function` of them."""
 
     _tied_weights_keys = {}
+    loss_implementation = "auto"
+    """One of `LOSS_IMPLEMENTATIONS`; set it with `set_loss_implementation` (not saved with the model)."""
 
     def __init__(self, config: L3GPTConfig):
         super().__init__(config)
@@ -422,6 +447,28 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
     def set_l3_allocation(self, counts: torch.Tensor) -> None:
         """See [`L3GPTModel.set_l3_allocation`]."""
         self.model.set_l3_allocation(counts)
+
+    def set_loss_implementation(self, name: str) -> None:
+        """How the training loss is computed: "auto" (`training_loss_path`), "logits", "chunked" or "liger".
+
+        Raises:
+            ValueError: for another name, or "liger" where `liger_kernel` is not installed.
+        """
+        if name not in LOSS_IMPLEMENTATIONS:
+            raise ValueError(f"loss_implementation={name!r}; expected one of {', '.join(LOSS_IMPLEMENTATIONS)}")
+        if name == "liger" and not liger_applies(torch.empty(0, device="cuda" if torch.cuda.is_available() else "cpu")):
+            raise ValueError("loss_implementation='liger' needs CUDA and liger-kernel (pip install liger-kernel)")
+        self.loss_implementation = name
+
+    def training_loss_path(self, hidden_states: torch.Tensor) -> str:
+        """The training loss's path for `hidden_states`: `loss_implementation`, or for "auto": "logits" inside a
+        `torch.compile` graph (one graph, no graph break; Inductor fuses what nanochat's compiled loss fuses), else
+        "liger" on CUDA with liger-kernel installed, else "chunked" (eager steps keep the memory-light loss)."""
+        if self.loss_implementation != "auto":
+            return self.loss_implementation
+        if torch.compiler.is_compiling():
+            return "logits"
+        return "liger" if liger_applies(hidden_states) else "chunked"
 
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
         """Install `new_embeddings` as `lm_head`; a head without an init scheme (the one `resize_token_embeddings`
@@ -475,21 +522,33 @@ class L3GPTForCausalLM(L3GPTPreTrainedModel, GenerationMixin):
         )
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         hidden_states = outputs.last_hidden_state[:, keep, :]  # (B, T, C)
-        cap = self.config.final_logit_softcapping
         if labels is not None and self.training and not return_logits:
-            loss = causal_lm_loss(hidden_states, self.lm_head.weight, labels, softcap=cap, **kwargs)
+            path = self.training_loss_path(hidden_states)
+            if path == "logits":  # the logits stay inside the graph: only the loss leaves it
+                loss = self.loss_function(logits=self.capped_logits(hidden_states), labels=labels,
+                                          vocab_size=self.config.vocab_size, **kwargs)
+            else:
+                loss = causal_lm_loss(hidden_states, self.lm_head.weight, labels,
+                                      softcap=self.config.final_logit_softcapping, backend=path, **kwargs)
             return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                           hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-        logits = self.lm_head(hidden_states)  # (B, T, V)
-        if cap is not None:
-            # at least float32, as nanochat's (ForCausalLMLoss upcasts too); a float64 model keeps float64
-            logits = cap * torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap)
+        logits = self.capped_logits(hidden_states)  # (B, T, V)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits.to(self.lm_head.weight.dtype),
                                       past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
                                       attentions=outputs.attentions)
+
+
+    def capped_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`lm_head(hidden_states)` `(batch_size, seq_len, vocab_size)`, softcapped `c·tanh(logits/c)` in float32 or
+        wider when `config.final_logit_softcapping` is set (as nanochat's; a float64 model keeps float64)."""
+        logits = self.lm_head(hidden_states)
+        cap = self.config.final_logit_softcapping
+        if cap is None:
+            return logits
+        return cap * torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap)
 
 
 __all__ = [
