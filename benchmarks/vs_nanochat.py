@@ -85,6 +85,9 @@ class VsNanochatArguments:
     batch_size: int | None = field(default=None, metadata={"help": "rows per step (default 16 on CUDA, 4 on CPU)"})
     vocab_size: int | None = field(default=None, metadata={"help": "vocabulary (default 32768 on CUDA, 2048 CPU)"})
     head_dim: int | None = field(default=None, metadata={"help": "head width (default 128 on CUDA, 64 on CPU)"})
+    aspect_ratio: int = field(default=64, metadata={
+        "help": "hidden size = depth × aspect_ratio, rounded up to head_dim (nanochat's --aspect-ratio); a small one "
+                "with depth 12 on a CPU leaves the step's host work: `--depth 12 --aspect_ratio 8 --head_dim 32`"})
     window_pattern: str = field(default="L", metadata={"help": "S/L pattern, as nanochat's --window_pattern"})
     compile: bool | None = field(default=None, metadata={"help": "torch.compile every arm (default: on CUDA)"})
     bf16: bool | None = field(default=None, metadata={"help": "hfl3's bf16 autocast (default: on CUDA)"})
@@ -120,8 +123,8 @@ class VsNanochatArguments:
 
     @property
     def hidden_size(self) -> int:
-        """nanochat's sizing: depth × 64 rounded up to a multiple of head_dim (scripts/base_train.py)."""
-        return -(-self.depth * 64 // self.head_dim) * self.head_dim
+        """nanochat's sizing: depth × aspect_ratio rounded up to a multiple of head_dim (scripts/base_train.py)."""
+        return -(-self.depth * self.aspect_ratio // self.head_dim) * self.head_dim
 
 
 def zipf_rows(args: VsNanochatArguments, rows: int, length: int, seed: int = 0) -> np.ndarray:

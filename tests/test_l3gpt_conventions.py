@@ -256,14 +256,17 @@ def test_unsupported_rope_parameters_are_refused_naming_the_field(rope_parameter
         tiny_config(rope_parameters=rope_parameters)
 
 
-def test_dense_training_forward_compiles_as_one_graph_with_the_eager_loss_and_gradients():
-    """The dense training forward (labels given: the chunked loss, a custom op) compiles with `fullgraph=True` and
-    gives eager's loss and gradients. With an L3 layer: `test_l3gpt.py`'s
+@pytest.mark.parametrize("loss_implementation", ["auto", "chunked"])
+def test_dense_training_forward_compiles_as_one_graph_with_the_eager_loss_and_gradients(loss_implementation):
+    """The dense training forward (labels given) compiles with `fullgraph=True` and gives eager's loss and gradients,
+    with the loss from the logits inside the graph ("auto" when compiling) or the chunked custom op; eager runs the
+    chunked loss on the CPU. With an L3 layer: `test_l3gpt.py`'s
     `test_torch_compile_compiles_the_training_forward_once_as_one_graph` (inductor)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     model = skewed_model(tiny_config(l3_after_layers=[])).train()
+    model.set_loss_implementation(loss_implementation)
     batches = [torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in (0, 1)]
     compiled, graphs_before = torch.compile(model, fullgraph=True, backend="aot_eager"), counters["stats"]["unique_graphs"]
     for ids in batches:
@@ -281,6 +284,30 @@ def test_dense_training_forward_compiles_as_one_graph_with_the_eager_loss_and_gr
     assert counters["stats"]["unique_graphs"] - graphs_before == 1
 
 
+@pytest.mark.parametrize("loss_implementation, chunked_op_in_graph", [("auto", False), ("logits", False),
+                                                                      ("chunked", True)])
+def test_the_compiled_training_loss_takes_the_path_asked_for(loss_implementation, chunked_op_in_graph):
+    """Under `torch.compile`, "auto" computes the loss from the logits inside the graph (nanochat's: no custom op for
+    Inductor to work around), "chunked" calls the chunked custom op; eagerly on the CPU "auto" is chunked."""
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    model = skewed_model(tiny_config(l3_after_layers=[])).train()
+    model.set_loss_implementation(loss_implementation)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = torch.compile(model, fullgraph=True, backend=recording_backend)(input_ids=ids, labels=ids)
+    assert out.logits is None  # training mode with labels: the graph writes no logits out
+    targets = [str(node.target) for graph in graphs for node in graph.graph.nodes if node.op == "call_function"]
+    assert any("chunked_linear_cross_entropy" in target for target in targets) == chunked_op_in_graph, targets
+    assert model.training_loss_path(out.loss) == ("chunked" if loss_implementation == "auto" else loss_implementation)
+    with pytest.raises(ValueError, match="loss_implementation='fused'"):
+        model.set_loss_implementation("fused")
+
+
 def test_assisted_decoding_with_an_l3gpt_draft_gives_the_greedy_tokens():
     """Assisted decoding rolls back (crops) the draft's and the target's caches, smear state included: with another
     L3GPT as the draft model, the tokens are the target's own greedy ones."""
@@ -291,3 +318,32 @@ def test_assisted_decoding_with_an_l3gpt_draft_gives_the_greedy_tokens():
     assisted = model.generate(prompt, assistant_model=draft, **kwargs)
     assert torch.equal(assisted, greedy)
     assert not torch.equal(draft.generate(prompt, **kwargs), greedy)  # the guard: the draft proposes other tokens
+
+
+def test_bf16_embedding_tables_keep_the_models_dtype_and_a_bf16_residual_stream_under_autocast(tmp_path):
+    """Token and value-embedding tables stored in bf16 beside float32 matrices (`--embedding_dtype`, nanochat's): the
+    model's `dtype` is the matrices' (so `save_pretrained` writes float32 and a reload is float32 throughout); without
+    autocast the stream is upcast to the matrices' dtype (the forward runs, the logits are the fp32 model's on the
+    bf16-rounded tables); under bf16 autocast the residual stream is bf16, as nanochat's is."""
+    from transformers import AutoModelForCausalLM
+
+    model = skewed_model(tiny_config(l3_after_layers=[])).eval()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    model.model.embed_tokens.to(torch.bfloat16)
+    model.model.value_embeddings.to(torch.bfloat16)
+    assert model.dtype == model.model.dtype == torch.float32
+    streams = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda module, args: streams.append(args[0].dtype))
+    with torch.no_grad():
+        logits = model(ids).logits
+        reference = skewed_model(tiny_config(l3_after_layers=[])).eval()
+        reference.load_state_dict({name: value.float() for name, value in model.state_dict().items()})
+        torch.testing.assert_close(logits, reference(ids).logits, rtol=0, atol=0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(ids)
+    hook.remove()
+    assert streams == [torch.float32, torch.bfloat16]
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.config.dtype == torch.float32
+    assert {param.dtype for param in reloaded.parameters()} == {torch.float32}

@@ -5,6 +5,7 @@ import datasets
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import TrainerCallback
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
@@ -48,6 +49,18 @@ class SyncRecorder(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if self.active and name in SYNCING_CALLS and args:
             self.calls.append((self.step, name, args[0]))
+        return func(*args, **(kwargs or {}))
+
+
+class OpRecorder(TorchDispatchMode):
+    """The aten ops run inside the block, by name."""
+
+    def __enter__(self):
+        self.names = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
         return func(*args, **(kwargs or {}))
 
 
@@ -183,3 +196,45 @@ def test_fp8_without_compile_warns_at_start(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="hfl3.trainers.pretrain"):
         PretrainConfig(output_dir=str(tmp_path), fp8="tensorwise", torch_compile=True, report_to="none")
     assert "without torch_compile" not in caplog.text
+
+
+def test_nanochats_step_defaults_clip_nothing_with_muon_and_store_bf16_tables(tmp_path):
+    """With `--optim muon` nothing is clipped (nanochat's base_train), otherwise transformers' 1.0; a value given
+    is kept. `--embedding_dtype auto` stores the token and value-embedding tables in bf16 when training in bf16
+    (nanochat's `init_weights`), float32 otherwise; `build_model` casts them and leaves the matrices float32."""
+    from hfl3.trainers.pretrain_builder import build_model
+
+    common = dict(output_dir=str(tmp_path), report_to="none")
+    assert PretrainConfig(**common, optim="muon").max_grad_norm == 0.0
+    assert PretrainConfig(**common).max_grad_norm == 1.0
+    assert PretrainConfig(**common, optim="muon", max_grad_norm=0.5).max_grad_norm == 0.5
+    for bad in ({"loss_implementation": "fused"}, {"embedding_dtype": "float16"}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}='"):
+            PretrainConfig(**common, **bad)
+    config = L3GPTConfig.from_depth(2, vocab_size=256, aspect_ratio=32, head_dim=32, max_position_embeddings=SEQ_LEN)
+    for args, tables in ((PretrainConfig(**common, bf16=True, use_cpu=True), torch.bfloat16),
+                         (PretrainConfig(**common, bf16=True, use_cpu=True, embedding_dtype="float32"), torch.float32),
+                         (PretrainConfig(**common), torch.float32)):
+        model = build_model(config, args)
+        assert args.resolved_embedding_dtype() == tables
+        assert model.model.embed_tokens.weight.dtype == tables
+        assert {table.weight.dtype for table in model.model.value_embeddings.values()} == {tables}
+        assert model.lm_head.weight.dtype == model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+
+
+def test_unclipped_gradient_norm_and_flops_equal_transformers_without_their_host_work(rows, tmp_path):
+    """Without clipping the gradient norm is measured alone (transformers' `clip_grad_norm_(inf)` also rewrote every
+    gradient), and `floating_point_ops` counts the parameters once; both equal what transformers computes."""
+    trainer, _ = train(rows, tmp_path, [], "muon", max_steps=1)
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    expected_flops = 6 * batch["input_ids"].numel() * trainer.model.num_parameters(exclude_embeddings=True)
+    assert trainer.floating_point_ops(batch) == expected_flops
+    trainer.model.zero_grad()
+    trainer.compute_loss(trainer.model, batch).backward()
+    grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+    with OpRecorder() as ops:
+        norm = trainer._get_grad_norm(trainer.model)
+    assert "aten._foreach_mul_" not in ops.names, ops.names  # transformers: every gradient multiplied by 1
+    torch.testing.assert_close(norm, torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    for param, grad in zip([p for p in trainer.model.parameters() if p.grad is not None], grads):
+        assert torch.equal(param.grad, grad)

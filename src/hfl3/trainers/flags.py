@@ -248,8 +248,8 @@ _PRETRAIN_REFUSED = {
     "include_for_metrics": Refusal("BitsPerByte reads the per-target nats and the labels only", accepted=([],)),
     "batch_eval_metrics": Refusal("BitsPerByte sums the whole evaluation at once (its inputs are per-target nats, "
                                   "not logits)", accepted=(False,)),
-    "use_liger_kernel": Refusal("Liger has no kernels for L3GPT, whose loss already runs Liger's fused linear "
-                                "cross-entropy on CUDA (linear_cross_entropy.py)", accepted=(False,)),
+    "use_liger_kernel": Refusal("Liger has no kernels for L3GPT; its loss runs Liger's fused linear cross-entropy "
+                                "with --loss_implementation liger (CUDA)", accepted=(False,)),
     "liger_kernel_config": Refusal("Liger has no kernels for L3GPT (see --use_liger_kernel)"),
 }
 _PRETRAIN_NOT_APPLICABLE = {

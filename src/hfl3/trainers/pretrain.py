@@ -306,6 +306,7 @@ class PretrainTrainer(NonFiniteGuard, OptimizerMixin, PretrainOutputs, Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._pending_input_tokens = 0
+        self._non_embedding_parameters = None
         self.add_callback(BeforeLogSaveEvaluate(lambda control: self._count_pending_input_tokens()))
         # ThroughputCallback writes tok_per_sec and mfu into the logs in its on_log; the Trainer puts the reporting
         # integrations (W&B, TensorBoard, ...) before the callbacks passed in, and they would report without them
@@ -374,6 +375,16 @@ class PretrainTrainer(NonFiniteGuard, OptimizerMixin, PretrainOutputs, Trainer):
                 "documents": sum(r["documents"] for r in ranks),
                 **{key: sum(r[key] for r in ranks) for key in ("held_out_documents", "duplicate_documents",
                                                                "missing_text_documents", "empty_text_documents")}}
+
+    def floating_point_ops(self, inputs: dict) -> int:
+        """The Trainer's `total_flos` term, 6 × input tokens × non-embedding parameters (`Trainer.floating_point_ops`),
+        with the parameters counted once: the Trainer asks at every micro-batch, and `num_parameters(
+        exclude_embeddings=True)` walks every module and parameter each time (host work on the step's critical path;
+        the throughput's own FLOPs are `ThroughputCallback`'s)."""
+        if self._non_embedding_parameters is None:
+            self._non_embedding_parameters = self.model.num_parameters(exclude_embeddings=True)
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        return 6 * inputs[main_input].numel() * self._non_embedding_parameters if main_input in inputs else 0
 
     def get_decay_parameter_names(self, model) -> list[str]:
         """The >= 2-D weights (norm-free model: the 1-D parameters are the per-layer scalars, not decayed)."""
