@@ -1,5 +1,6 @@
 """The GPU suite's results file and its markdown table: `write_results(path, results)` writes both atomically,
-`render_markdown(results)` is the table (measurement, hfl3, reference, ratio, goal, pass/fail, note) per section.
+`render_markdown(results)` is the table (measurement, hfl3, reference, ratio with the range of the single rounds' ratios
+where the arms were measured several times, goal, pass/fail, note) per section.
 
 `results` = `{"environment": {date, profile, device, commit, versions, checks}, "sections": {name: {status, rows,
 details, seconds, share_seconds, run, error?}}}`, rows as `gpu_sections.row` makes them.
@@ -66,12 +67,14 @@ def render_markdown(results: dict) -> str:
             lines += [f"Run: {_run_line(entry['run'])}.", ""]
         if not entry["rows"]:
             continue
-        lines += ["| measurement | hfl3 | reference | ratio | goal | pass/fail | note |",
+        lines += ["| measurement | hfl3 | reference | ratio (rounds' range) | goal | pass/fail | note |",
                   "|---|---:|---:|---:|---|---|---|"]
         for row in entry["rows"]:
             reference = number(row["reference"]) + (f" ({row['reference_name']})" if row["reference_name"] else "")
             goal = f"{row['goal'][0].replace('>=', '≥').replace('<=', '≤')} {row['goal'][1]}" if row["goal"] else ""
             ratio = "—" if row["ratio"] is None else f"{row['ratio']:.3f}"
+            if row.get("spread"):  # the lowest and highest single-round ratio
+                ratio += f" ({row['spread'][0]:.3f}–{row['spread'][1]:.3f})"
             cells = [row["measurement"], number(row["hfl3"]), reference, ratio, goal, verdict(row, judged),
                      row["note"] or ""]
             lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")

@@ -10,7 +10,9 @@ the test suite's check that every section still runs.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -29,6 +31,10 @@ import vs_nanochat  # noqa: E402
 from common import shown_path  # noqa: E402
 
 NANOCHAT_MISSING = "not available: pass --nanochat_dir (a karpathy/nanochat checkout)"
+# Rounds of an A-vs-B section: its arms measured in A B, B A, ... order, each in a fresh process, so that neither
+# always runs first (cold disk and compile caches, the GPU's clocks) and the spread of the ratio over the rounds shows
+# how far one run can be trusted
+ROUNDS = 2
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class Profile:
     nanochat_dir: str | None = None
     work_dir: str = "outputs/gpu_suite"
     profile_dir: str | None = None  # the pretraining arms write <arm>_profile.txt here (vs_nanochat.StepProfiler)
+    rounds: int = ROUNDS  # each A-vs-B section measures its arms this many times, alternating their order
 
     @property
     def gpu(self) -> bool:
@@ -63,23 +70,33 @@ def judge(ratio: float | None, goal: tuple[str, float] | None) -> bool | None:
 
 
 def row(measurement: str, hfl3: float | None, reference: float | None, reference_name: str | None,
-        goal: tuple[str, float] | None = None, note: str | None = None) -> dict:
-    """One line of the table; `ratio` = hfl3 / reference when both are known; `note` says why a value is missing."""
+        goal: tuple[str, float] | None = None, note: str | None = None,
+        spread: tuple[float, float] | None = None) -> dict:
+    """One line of the table; `ratio` = hfl3 / reference when both are known (medians over the rounds where the arms
+    were measured several times; `spread`: the lowest and highest ratio of a single round, see `ratio_spread`);
+    `note` says why a value is missing."""
     ratio = hfl3 / reference if hfl3 is not None and reference else None
     return {"measurement": measurement, "hfl3": hfl3, "reference": reference, "reference_name": reference_name,
-            "ratio": ratio, "goal": list(goal) if goal else None, "passed": judge(ratio, goal), "note": note}
+            "ratio": ratio, "spread": list(spread) if spread else None, "goal": list(goal) if goal else None,
+            "passed": judge(ratio, goal), "note": note}
 
 
-def each_arm(arms: list[str], measure, report, rows_of) -> dict[str, dict]:
-    """`measure(arm)` for every arm in turn; an arm that raises is recorded as `{"error": ...}` and the others still
-    run; `report(rows_of(results), results)` after each arm."""
-    results: dict[str, dict] = {}
-    for arm in arms:
+def alternating(arms: list[str], rounds: int) -> list[str]:
+    """The order in which `rounds` rounds measure `arms`: as given, then reversed, and so on (A B, B A, A B, ...)."""
+    return [arm for index in range(rounds) for arm in (arms if index % 2 == 0 else arms[::-1])]
+
+
+def each_arm(arms: list[str], measure, report, rows_of, rounds: int = 1) -> dict[str, list[dict]]:
+    """`measure(arm)` for every arm, `rounds` times in `alternating` order (each call measures in a fresh process:
+    the caller's job); a measurement that raises is recorded as `{"error": ...}` and the others still run;
+    `report(rows_of(results), results)` after each. Returns every arm's measurements in the order taken."""
+    results: dict[str, list[dict]] = {arm: [] for arm in arms}
+    for arm in alternating(arms, rounds):
         try:
-            results[arm] = measure(arm)
+            results[arm].append(measure(arm))
         except Exception as error:  # one arm's failure must not cost the others' numbers
             traceback.print_exc()
-            results[arm] = {"error": one_line(error)}
+            results[arm].append({"error": one_line(error)})
         report(rows_of(results), results)
     return results
 
@@ -90,15 +107,35 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]
 
 
-def missing(result: dict | None, what: str = "not run") -> str | None:
-    """Why an arm's numbers are absent: its error, or `what`."""
-    if result is None:
+def _measured(result: dict | list[dict] | None, key: str | None = None) -> list[dict]:
+    """An arm's measurements (one dict, or the list `each_arm` collects) that did not fail and hold `key`."""
+    measurements = [] if result is None else [result] if isinstance(result, dict) else result
+    return [m for m in measurements if "error" not in m and (key is None or m.get(key) is not None)]
+
+
+def missing(result: dict | list[dict] | None, what: str = "not run") -> str | None:
+    """Why an arm's numbers are absent: its first error when no measurement succeeded, or `what` when none was
+    taken; None when there are numbers."""
+    if not result:
         return what
-    return result.get("error")
+    if _measured(result):
+        return None
+    return (result if isinstance(result, dict) else result[0]).get("error")
 
 
-def value(result: dict | None, key: str) -> float | None:
-    return None if result is None or "error" in result else result.get(key)
+def value(result: dict | list[dict] | None, key: str) -> float | None:
+    """An arm's `key`: the median over its successful measurements (one value when measured once), or None."""
+    values = [m[key] for m in _measured(result, key)]
+    return statistics.median(values) if values else None
+
+
+def ratio_spread(hfl3: list[dict] | None, reference: list[dict] | None, key: str) -> tuple[float, float] | None:
+    """The lowest and highest `hfl3[i][key] / reference[i][key]` over the rounds `i` where both were measured (the
+    arms of round i ran next to each other); None with fewer than two such rounds."""
+    pairs = [(a, b) for a, b in zip(hfl3 or [], reference or [])
+             if _measured(a, key) and _measured(b, key) and b[key]]
+    ratios = [a[key] / b[key] for a, b in pairs]
+    return (min(ratios), max(ratios)) if len(ratios) >= 2 else None
 
 
 # ---- 1. pretraining step vs nanochat, and 6. the dense core, 2. FP8: hfl3's Trainer path (vs_nanochat.py) ----------
@@ -112,12 +149,12 @@ ONE_STEP = dict(steps=1, warmup_steps=1)
 
 
 def _vs_nanochat_arms(profile: Profile, sizes: dict, arms: list[str], report, rows_of,
-                     profile_dir: str | None = None) -> dict:
+                     profile_dir: str | None = None, rounds: int | None = None) -> dict:
     args = vs_nanochat.VsNanochatArguments(
         nanochat_dir=profile.nanochat_dir, arms=arms, compile=profile.compile, bf16=True,
         dataloader_num_workers=2 if profile.gpu else 0, profile_dir=profile_dir, **sizes)
     results = each_arm(args.arms, lambda arm: vs_nanochat.main(replace(args, arms=[arm]))["results"][0], report,
-                       rows_of)
+                       rows_of, profile.rounds if rounds is None else rounds)
     recorded = asdict(args) | {"nanochat_dir": shown_path(args.nanochat_dir)}
     return {"rows": rows_of(results), "details": {"args": recorded, "results": results}}
 
@@ -130,63 +167,107 @@ def _memory_note(profile: Profile) -> str | None:
     return None if profile.device == "cuda" else "peak memory is measured on CUDA only"
 
 
+def _step_rows(dense, reference, reference_name: str, why: str | None) -> list[dict]:
+    """Where a pretraining step's time goes, hfl3 beside `reference`: the process's CPU time per step against the step
+    (host-bound when they meet), the device's busy time (its kernels, copies, fills; profiled steps), and the host
+    syncs and copies, memsets and device-to-device copies per step."""
+    rows = [row("ms/step (wall, CUDA-synchronised window), hfl3 vs " + reference_name, value(dense, "ms_per_step"),
+                value(reference, "ms_per_step"), reference_name, None, why,
+                ratio_spread(dense, reference, "ms_per_step"))]
+    for key, label in (("host_cpu_ms_per_step", "host CPU ms/step (the process's CPU time; ≈ ms/step: host-bound)"),
+                       ("device_busy_ms_per_step", "device busy ms/step (kernels, copies, fills; profiled steps)"),
+                       ("host_syncs_per_step", "host syncs per step (cuda*Synchronize)"),
+                       ("host_copies_per_step", "host copy calls per step (cudaMemcpyAsync)"),
+                       ("memsets_per_step", "memsets per step"),
+                       ("memcpy_dtod_per_step", "device-to-device copies per step")):
+        rows.append(row(f"{label}, hfl3 vs {reference_name}", value(dense, key), value(reference, key),
+                        reference_name, None, why))
+    return rows
+
+
 def run_pretrain(profile: Profile, report) -> dict:
     sizes = profile.sizes(PRETRAIN_GPU, PRETRAIN_TINY, ONE_STEP)
-    arms = (["nanochat"] if profile.nanochat_dir else []) + ["hfl3", "hfl3_l3"]
+    arms = (["nanochat"] if profile.nanochat_dir else []) + ["hfl3"]
     shape = f"d{sizes['depth']}, {sizes['batch_size']}×{sizes['seq_len']}, bf16, compile {_on(profile.compile)}"
 
     def rows_of(results: dict) -> list[dict]:
-        nanochat, dense, l3 = results.get("nanochat"), results.get("hfl3"), results.get("hfl3_l3")
-        why = NANOCHAT_MISSING if not profile.nanochat_dir else missing(nanochat)
+        nanochat, dense = results.get("nanochat"), results.get("hfl3")
+        why = NANOCHAT_MISSING if not profile.nanochat_dir else missing(nanochat) or missing(dense)
         memory = _memory_note(profile)
         return [
             row(f"tok/s, hfl3 dense vs nanochat ({shape}, Muon)", value(dense, "tok_per_sec"),
-                value(nanochat, "tok_per_sec"), "nanochat", (">=", 1.1), why or missing(dense)),
+                value(nanochat, "tok_per_sec"), "nanochat", (">=", 1.1), why,
+                ratio_spread(dense, nanochat, "tok_per_sec")),
             row("MFU %, hfl3 dense vs nanochat", value(dense, "mfu"), value(nanochat, "mfu"), "nanochat", None,
-                why or missing(dense) or (None if profile.device == "cuda" else "MFU needs a known GPU peak")),
+                why or (None if profile.device == "cuda" else "MFU needs a known GPU peak")),
             row("peak memory GB, hfl3 dense vs nanochat", value(dense, "peak_memory_gb"),
-                value(nanochat, "peak_memory_gb"), "nanochat", ("<=", 1.1), why or missing(dense) or memory),
-            row("compile s (first step − a timed step), hfl3 dense vs nanochat", value(dense, "compile_seconds"),
-                value(nanochat, "compile_seconds"), "nanochat", None, why or missing(dense)),
-            row("tok/s, hfl3 + one L3 layer vs hfl3 dense", value(l3, "tok_per_sec"), value(dense, "tok_per_sec"),
-                "hfl3 dense", (">=", 0.9), missing(l3) or missing(dense)),
-            row("peak memory GB, hfl3 + L3 vs hfl3 dense", value(l3, "peak_memory_gb"), value(dense, "peak_memory_gb"),
-                "hfl3 dense", None, missing(l3) or missing(dense) or memory),
+                value(nanochat, "peak_memory_gb"), "nanochat", ("<=", 1.0), why or memory,
+                ratio_spread(dense, nanochat, "peak_memory_gb")),
+            row("compile s (first step − a timed step; later rounds reuse Inductor's cache), hfl3 dense vs nanochat",
+                value(dense, "compile_seconds"), value(nanochat, "compile_seconds"), "nanochat", ("<=", 1.1), why,
+                ratio_spread(dense, nanochat, "compile_seconds")),
+            *_step_rows(dense, nanochat, "nanochat", why),
         ]
 
     return _vs_nanochat_arms(profile, sizes, arms, report, rows_of, profile_dir=profile.profile_dir)
 
 
-FP8_ARMS = {"hfl3_fp8_tensorwise": "tensorwise (hfl3 Float8Linear)", "hfl3_fp8_rowwise": "rowwise (hfl3 Float8Linear)",
-            "hfl3_fp8_ao": "tensorwise via accelerate's torchao backend"}
-
-
-def run_fp8(profile: Profile, report) -> dict:
-    sizes = profile.sizes(FP8_GPU, PRETRAIN_TINY, ONE_STEP)
-    torchao = importlib.util.find_spec("torchao") is not None
-    arms = ["hfl3", *(arm for arm in FP8_ARMS if torchao or arm != "hfl3_fp8_ao")]
+def run_pretrain_l3(profile: Profile, report) -> dict:
+    sizes = profile.sizes(PRETRAIN_GPU, PRETRAIN_TINY, ONE_STEP)
 
     def rows_of(results: dict) -> list[dict]:
-        bf16 = results.get("hfl3")
-        mfu_note = missing(bf16) or (None if profile.device == "cuda" else "MFU needs a known GPU peak")
-        rows = [row(f"MFU %, hfl3 bf16 (d{sizes['depth']}, compile {_on(profile.compile)}, Muon)", value(bf16, "mfu"),
-                    None, None, None, mfu_note)]
-        for arm, name in FP8_ARMS.items():
-            result = results.get(arm)
-            why = ("torchao is not installed: carry its wheel in .whl" if arm == "hfl3_fp8_ao" and not torchao
-                   else missing(result) or missing(bf16))
-            goal = (">=", 1.2) if arm == "hfl3_fp8_tensorwise" else None
-            rows += [
-                row(f"tok/s, FP8 {name} vs bf16", value(result, "tok_per_sec"), value(bf16, "tok_per_sec"), "bf16",
-                    goal, why),
-                row(f"peak memory GB, FP8 {name} vs bf16", value(result, "peak_memory_gb"),
-                    value(bf16, "peak_memory_gb"), "bf16", None, why or _memory_note(profile)),
-                row(f"compile s, FP8 {name} vs bf16", value(result, "compile_seconds"),
-                    value(bf16, "compile_seconds"), "bf16", None, why),
-            ]
+        dense, l3 = results.get("hfl3"), results.get("hfl3_l3")
+        why = missing(l3) or missing(dense)
+        return [
+            row(f"tok/s, hfl3 + one L3 layer vs hfl3 dense (d{sizes['depth']}, {sizes['batch_size']}×"
+                f"{sizes['seq_len']}, bf16, compile {_on(profile.compile)}, Muon)", value(l3, "tok_per_sec"),
+                value(dense, "tok_per_sec"), "hfl3 dense", (">=", 0.9), why,
+                ratio_spread(l3, dense, "tok_per_sec")),
+            row("peak memory GB, hfl3 + L3 vs hfl3 dense", value(l3, "peak_memory_gb"), value(dense, "peak_memory_gb"),
+                "hfl3 dense", None, why or _memory_note(profile), ratio_spread(l3, dense, "peak_memory_gb")),
+            row("compile s, hfl3 + L3 vs hfl3 dense", value(l3, "compile_seconds"), value(dense, "compile_seconds"),
+                "hfl3 dense", None, why),
+            *_step_rows(l3, dense, "hfl3 dense", why),
+        ]
+
+    return _vs_nanochat_arms(profile, sizes, ["hfl3", "hfl3_l3"], report, rows_of, profile_dir=profile.profile_dir)
+
+
+FP8_ARMS = {"hfl3_fp8_tensorwise": "tensorwise (hfl3 Float8Linear)", "hfl3_fp8_rowwise": "rowwise (hfl3 Float8Linear)",
+            "hfl3_fp8_ao": "tensorwise via accelerate's torchao backend"}
+ARM_NAMES = {"hfl3": "bf16", **FP8_ARMS}
+# One d20 arm takes ~220 s on an H200 (132 s of it compiling; dev/LOG.md 2026-11-28), so an FP8 section measures one
+# pair, once, per device call: bf16 vs tensorwise (the goal), then rowwise and accelerate's backend each against
+# tensorwise, in later calls
+FP8_ROUNDS_NOTE = "one round (a d20 arm takes ~220 s: two fit one device call)"
+
+
+def run_fp8_pair(arms: tuple[str, str], goal: tuple[str, float] | None, profile: Profile, report) -> dict:
+    """FP8 at d20, `arms[1]` vs `arms[0]` (each an arm of vs_nanochat.py), one round."""
+    sizes = profile.sizes(FP8_GPU, PRETRAIN_TINY, ONE_STEP)
+    torchao = importlib.util.find_spec("torchao") is not None
+    candidate, reference = arms[1], arms[0]
+    name, reference_name = ARM_NAMES[candidate], ARM_NAMES[reference]
+
+    def rows_of(results: dict) -> list[dict]:
+        ours, theirs = results.get(candidate), results.get(reference)
+        why = ("torchao is not installed: carry its wheel in .whl" if "hfl3_fp8_ao" in arms and not torchao
+               else missing(ours) or missing(theirs))
+        rows = [row(f"tok/s, FP8 {name} vs {reference_name} (d{sizes['depth']}, compile {_on(profile.compile)}, "
+                    "Muon)", value(ours, "tok_per_sec"), value(theirs, "tok_per_sec"), reference_name, goal,
+                    why or FP8_ROUNDS_NOTE),
+                row(f"peak memory GB, FP8 {name} vs {reference_name}", value(ours, "peak_memory_gb"),
+                    value(theirs, "peak_memory_gb"), reference_name, None, why or _memory_note(profile)),
+                row(f"compile s, FP8 {name} vs {reference_name}", value(ours, "compile_seconds"),
+                    value(theirs, "compile_seconds"), reference_name, None, why)]
+        if reference == "hfl3":
+            rows.insert(0, row(f"MFU %, hfl3 bf16 (d{sizes['depth']})", value(theirs, "mfu"), None, None, None,
+                               missing(theirs) or (None if profile.device == "cuda" else "MFU needs a known GPU peak")))
         return rows
 
-    return _vs_nanochat_arms(profile, sizes, arms, report, rows_of)
+    if "hfl3_fp8_ao" in arms and not torchao:
+        return {"rows": rows_of({}), "details": None}
+    return _vs_nanochat_arms(profile, sizes, list(arms), report, rows_of, rounds=1)
 
 
 def run_dense_core(profile: Profile, report) -> dict:
@@ -197,7 +278,8 @@ def run_dense_core(profile: Profile, report) -> dict:
         why = missing(new) or missing(legacy)
         return [
             row(f"tok/s, new dense core (value embeddings, smear, backout) vs legacy core (d{sizes['depth']})",
-                value(new, "tok_per_sec"), value(legacy, "tok_per_sec"), "legacy core", None, why),
+                value(new, "tok_per_sec"), value(legacy, "tok_per_sec"), "legacy core", None, why,
+                ratio_spread(new, legacy, "tok_per_sec")),
             row("MFU %, new core vs legacy core (FLOPs counted per model)", value(new, "mfu"), value(legacy, "mfu"),
                 "legacy core", None, why or (None if profile.device == "cuda" else "MFU needs a known GPU peak")),
             row("peak memory GB, new core vs legacy core", value(new, "peak_memory_gb"),
@@ -341,16 +423,17 @@ def run_sft(profile: Profile, report) -> dict:
                    else missing(hfl3) or missing(trl))
             lines += [
                 row(f"tok/s, recipes/sft_lora.py vs {label} (LoRA r=16, bf16 on CUDA, same model, data, batch)",
-                    value(hfl3, "tokens_per_s"), value(trl, "tokens_per_s"), trl_row, (">=", 1.2), why),
+                    value(hfl3, "tokens_per_s"), value(trl, "tokens_per_s"), trl_row, (">=", 1.2), why,
+                    ratio_spread(hfl3, trl, "tokens_per_s")),
                 row(f"peak memory MiB, recipes/sft_lora.py vs {label}", value(hfl3, "peak_mib"),
-                    value(trl, "peak_mib"), trl_row, ("<=", 1.0), why),
+                    value(trl, "peak_mib"), trl_row, ("<=", 1.0), why, ratio_spread(hfl3, trl, "peak_mib")),
             ]
         return lines
 
     def measure(sft_row: str) -> dict:
         return sft_throughput.run(replace_namespace(args, rows=sft_row, reference=sft_row))["results"][0]
 
-    results = each_arm(rows_wanted, measure, report, rows_of)
+    results = each_arm(rows_wanted, measure, report, rows_of, profile.rounds)
     return {"rows": rows_of(results), "details": {"sizes": sizes, "results": results}}
 
 
@@ -383,22 +466,30 @@ class Section(NamedTuple):
     requires: tuple[str, ...]  # environment checks (gpu_suite.check_environment) without which it cannot run
 
 
-# In the order of importance of the measurements owed. Shares from the first H100 run (2026-11-26, dev/LOG.md):
-# nanochat's d12 arm took 71 s (63 s of it compiling), each hfl3 arm ~100 s to its first step, MuonAdamW's
-# section 56 s. The first three fit one device call of 540 s with the checks and the wheels' installation.
+# In the order of importance of the measurements owed. Shares from the H200 run of 2026-11-28 (dev/LOG.md): a d12
+# nanochat arm took 75 s (68 s of it compiling), an hfl3 arm 108 s, a d20 arm ~220 s; an A-vs-B section measures
+# each arm twice (`ROUNDS`), the second time with Inductor's caches warm. A device call holds 540 s, the checks and
+# the wheels' installation (~30 s) included.
 SECTIONS = {
-    "pretrain": Section(run_pretrain, "pretraining step vs nanochat at d12", 290, ("hfl3", "datasets")),
+    "pretrain": Section(run_pretrain, "pretraining step vs nanochat at d12", 330, ("hfl3", "datasets")),
+    "pretrain_l3": Section(run_pretrain_l3, "pretraining step with one L3 layer vs dense at d12", 400,
+                           ("hfl3", "datasets")),
+    "sft": Section(run_sft, "LoRA SFT: the recipe vs TRL's SFTTrainer", 240,
+                   ("hfl3", "datasets", "trl", "peft", "asset:tokenizers/qwen3",
+                    "asset:chat/gsm8k_messages_train.jsonl")),
+    "fp8": Section(functools.partial(run_fp8_pair, ("hfl3", "hfl3_fp8_tensorwise"), (">=", 1.2)),
+                   "FP8 tensorwise vs bf16 at d20", 480, ("hfl3", "datasets")),
     "trainer": Section(run_trainer, "the Trainer path vs a plain loop", 150,
                        ("hfl3", "datasets", "asset:text/tinyshakespeare.txt")),
     "muon_step": Section(run_muon_step, "MuonAdamW.step() vs fused AdamW", 70, ("hfl3",)),
-    "fp8": Section(run_fp8, "FP8 tensorwise / rowwise / accelerate's torchao vs bf16 at d20", 360,
-                   ("hfl3", "datasets")),
     "loss": Section(run_loss, "the training loss: fused (Liger) vs plain and vs chunked", 75, ("hfl3",)),
-    "dense_core": Section(run_dense_core, "the new dense core vs the legacy core", 150, ("hfl3", "datasets")),
+    "dense_core": Section(run_dense_core, "the new dense core vs the legacy core", 300, ("hfl3", "datasets")),
     "l3_offload": Section(run_l3_offload, "L3 tables offloaded at inference", 150, ("hfl3", "asset:text/gutenberg")),
-    "sft": Section(run_sft, "LoRA SFT: the recipe vs TRL's SFTTrainer", 180,
-                   ("hfl3", "datasets", "trl", "peft", "asset:tokenizers/qwen3",
-                    "asset:chat/gsm8k_messages_train.jsonl")),
+    "fp8_rowwise": Section(functools.partial(run_fp8_pair, ("hfl3_fp8_tensorwise", "hfl3_fp8_rowwise"), None),
+                           "FP8 rowwise vs tensorwise at d20", 480, ("hfl3", "datasets")),
+    "fp8_ao": Section(functools.partial(run_fp8_pair, ("hfl3_fp8_tensorwise", "hfl3_fp8_ao"), None),
+                      "FP8 through accelerate's torchao backend vs hfl3's tensorwise at d20", 480,
+                      ("hfl3", "datasets")),
     # bitsandbytes is not among the carried wheels (43 MB): without it the section fails, naming the qlora extra
     "qlora": Section(run_qlora, "QLoRA NF4 vs LoRA bf16 at Qwen3-0.6B's shape: memory, tokens/s", 180,
                      ("hfl3", "datasets", "trl", "peft", "asset:tokenizers/qwen3",

@@ -86,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the pretraining arms also profile 3 steps after their timed window (torch.profiler) "
                              "and write <arm>_profile.txt into --out_dir")
     parser.add_argument("--resume", action="store_true", help="keep the sections already done in the JSON")
+    parser.add_argument("--rounds", type=int, default=gpu_sections.ROUNDS,
+                        help="times each A-vs-B section measures its arms, alternating their order (the FP8 pairs: "
+                             "once)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, compile off: does every section run?")
     mode.add_argument("--dry_run", action="store_true", help="CPU, tiny sizes, the GPU run's settings")
@@ -275,7 +278,7 @@ def run(args: argparse.Namespace) -> dict:
     nanochat = args.nanochat_dir if Path(args.nanochat_dir, "nanochat", "gpt.py").is_file() else None
     profile = Profile(name=name, device="cuda" if name == "gpu" else "cpu", nanochat_dir=nanochat,
                       work_dir=str(REPO / "outputs" / "gpu_suite"),
-                      profile_dir=str(Path(args.out_dir).resolve()) if args.profile else None)
+                      profile_dir=str(Path(args.out_dir).resolve()) if args.profile else None, rounds=args.rounds)
     environment = common.in_fresh_process(check_environment, profile, args.nanochat_dir)
     failing = {check["what"]: check["fix"] for check in environment["checks"] if not check["ok"]}
     for fix in failing.values():

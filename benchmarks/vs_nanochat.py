@@ -27,7 +27,10 @@ documents (nanochat does: no document mask). Token ids are random, drawn from a 
 routes frequent ids to big tables as real text does; nanochat reads `(x, y) = (row[:-1], row[1:])`.
 
 Timing: steps `warmup_steps + 1 … warmup_steps + steps` as one window, CUDA synchronised at both ends (compilation
-happens in the warm-up). tok/s = window tokens / window seconds. `first_step_seconds` (start of training to the end
+happens in the warm-up); beside it the process's CPU time over the window (`host ms`: near `ms/step` when the
+host paces the step), and from `--profile_steps` steps profiled after the window (torch.profiler) the device's busy
+time (`busy ms`: its kernels, copies and fills; `ms/step` minus it is the time the device waits for the host), host
+syncs and copies, memsets and device-to-device copies per step. tok/s = window tokens / window seconds. `first_step_seconds` (start of training to the end
 of step 1) is where compilation happens: minus one window step, it is the compile time. MFU = tok/s × FLOPs/token /
 peak bf16 FLOP/s (`hfl3.callbacks.PEAK_BF16_FLOPS`; H100 SXM 989e12, also for the FP8 arms); FLOPs/token from
 `configuration_l3gpt.flops_per_token` for hfl3 (plus the L3 lookups) and from nanochat's own `estimate_flops()` for
@@ -72,7 +75,7 @@ AO_ENVIRONMENT = {"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND":
 GPU_STEPS = dict(steps=20, warmup_steps=10)
 CPU_STEPS = dict(steps=5, warmup_steps=2)
 BOS = 0
-PROFILE_STEPS = 3  # steps profiled after the timed window with --profile_dir
+PROFILE_STEPS = 3  # steps profiled after the timed window (the per-step counts; the table with --profile_dir)
 
 
 @dataclass
@@ -97,8 +100,11 @@ class VsNanochatArguments:
     steps: int | None = field(default=None, metadata={"help": "timed steps (default 20 on CUDA, 5 on CPU)"})
     warmup_steps: int | None = field(default=None, metadata={"help": "untimed steps first (compilation), >= 1"})
     json: str | None = field(default=None, metadata={"help": "write the results here (JSON)"})
+    profile_steps: int = field(default=PROFILE_STEPS, metadata={
+        "help": "steps profiled after each arm's timed window (torch.profiler): host syncs and copies, device events "
+                "and busy time per step (0: none)"})
     profile_dir: str | None = field(default=None, metadata={
-        "help": f"profile {PROFILE_STEPS} more steps after each arm's timed window (torch.profiler) and write "
+        "help": "with --profile_steps, also write each arm's profile table <arm>_profile.txt here: "
                 "<arm>_profile.txt here"})
 
     def __post_init__(self):
@@ -144,11 +150,15 @@ def synchronize() -> None:
 class Window:
     """Clock of one arm. `begin()` before the first step, `tick(step)` after every step; CUDA is synchronised only at
     the steps it keeps. `first_step_seconds`: begin → end of step 1 (compilation happens there); `seconds`: end of
-    step `first` → end of step `last` (the timed window)."""
+    step `first` → end of step `last` (the timed window); `host_cpu_seconds`: the process's CPU time over the same
+    window (`time.process_time`: the Python loop, autograd's device thread that launches the backward, the pin-memory
+    thread; DataLoader workers are other processes), which reaches `seconds` when the host paces the step
+    (host-bound) and stays below it when the device does."""
 
     def __init__(self, first: int, last: int):
         self.first, self.last = first, last
         self.began = self.start = self.seconds = self.first_step_seconds = None
+        self.cpu_start = self.host_cpu_seconds = None
 
     def begin(self) -> None:
         synchronize()
@@ -158,27 +168,36 @@ class Window:
         if step not in (1, self.first, self.last):
             return
         synchronize()
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         if step == 1:
             self.first_step_seconds = now - self.began
         if step == self.first:
-            self.start = now
+            self.start, self.cpu_start = now, cpu
         if step == self.last:
-            self.seconds = now - self.start
+            self.seconds, self.host_cpu_seconds = now - self.start, cpu - self.cpu_start
+
+
+# What the profile summary counts per step: the host calls that wait for the device or copy, and the device's copies
+HOST_CALLS = {"syncs": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+              "copies": ("cudaMemcpyAsync", "cudaMemcpy")}
 
 
 class StepProfiler:
-    """torch.profiler over steps `first + 1 … last` when `directory` is set (the arms profile `PROFILE_STEPS` steps
-    after their timed window, so the window is not slowed); then writes `<arm>_profile.txt`: per step, the device
-    events (kernels, copies), the host-device synchronisations and copies, then the 40 ops with the most device
-    time."""
+    """torch.profiler over steps `first + 1 … last` (the arms profile `PROFILE_STEPS` steps after their timed window,
+    so the window is not slowed). `summary` then holds, per step: `device_events`, `device_busy_ms` (the summed
+    duration of the device's kernels, copies and fills: against the step's wall time, the device's idle time),
+    `host_syncs` (cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize calls), `host_copies`
+    (cudaMemcpyAsync calls), `memsets` and `memcpy_dtod` (device events). With `directory`, also writes
+    `<arm>_profile.txt`: those, the host syncs and copies by name, the most frequent device events, and the 40 ops
+    with the most device time."""
 
     def __init__(self, directory: str | None, arm: str, first: int, last: int):
         self.directory, self.arm, self.first, self.last = directory, arm, first, last
         self.profiler = None
+        self.summary: dict | None = None
 
     def tick(self, step: int) -> None:
-        if self.directory is None:
+        if self.last <= self.first:
             return
         if step == self.first:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -196,13 +215,26 @@ class StepProfiler:
 
         steps = self.last - self.first
         events = self.profiler.events()
-        kernels = Counter(e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not getattr(e, "is_user_annotation", False)]
+        kernels = Counter(e.name for e in device)
         host = Counter(e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU)
         syncs = {name: count for name, count in host.items()
                  if any(key in name for key in ("Synchronize", "Memcpy", "_local_scalar_dense", "aten::item",
                                                  "aten::nonzero", "cudaHostAlloc", "cudaMalloc"))}
+        self.summary = {
+            "device_events": sum(kernels.values()) / steps,
+            "device_busy_ms": sum(e.device_time_total for e in device) / 1e3 / steps,
+            "host_syncs": sum(host[name] for name in HOST_CALLS["syncs"]) / steps,
+            "host_copies": sum(host[name] for name in HOST_CALLS["copies"]) / steps,
+            "memsets": sum(count for name, count in kernels.items() if name.startswith("Memset")) / steps,
+            "memcpy_dtod": sum(count for name, count in kernels.items() if "DtoD" in name) / steps,
+        }
+        if self.directory is None:
+            return
         lines = [f"{self.arm}: {steps} profiled steps", f"device events per step: {sum(kernels.values()) / steps:.0f} "
-                 f"({len(kernels)} distinct)", "host syncs and copies per step:"]
+                 f"({len(kernels)} distinct); device busy {self.summary['device_busy_ms']:.1f} ms per step",
+                 "host syncs and copies per step:"]
         lines += [f"  {count / steps:8.1f}  {name}" for name, count in sorted(syncs.items(), key=lambda kv: -kv[1])]
         lines.append("device events per step, most frequent:")
         lines += [f"  {count / steps:8.1f}  {name[:140]}" for name, count in kernels.most_common(25)]
@@ -239,7 +271,7 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
 
     change = HFL3_ARMS[arm]
     total = args.warmup_steps + args.steps
-    profiled = PROFILE_STEPS if args.profile_dir else 0
+    profiled = args.profile_steps
     rows = zipf_rows(args, (total + profiled) * args.batch_size, args.seq_len)
     config = ModelShape.of(args).config(
         window_pattern=args.window_pattern, bos_token_id=BOS, attn_implementation=args.attn_implementation,
@@ -264,14 +296,15 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
     fpt = flops_per_token(config, args.seq_len)
     if config.l3_after_layers:
         fpt += l3_lookup_flops_per_token(config, float(model.model.l3_counts().cpu().numpy()[rows].mean()))
+    profiler = StepProfiler(args.profile_dir, arm, total, total + profiled)
     trainer = build_trainer(model, training_args, datasets.Dataset.from_dict({"input_ids": rows}), fpt,
-                            bos_token_id=BOS, callbacks=[WindowCallback(window, StepProfiler(
-                                args.profile_dir, arm, total, total + profiled))])
+                            bos_token_id=BOS, callbacks=[WindowCallback(window, profiler)])
     trainer.train()
     counts = parameter_counts(model)
     tables = counts["l3_table"]
     precision = f"fp8 {recipe}" + (" (accelerate's torchao backend)" if recipe == "ao" else " (hfl3 Float8Linear)")
     return dict(flops_per_token=fpt, seconds=window.seconds, first_step_seconds=window.first_step_seconds,
+                host_cpu_seconds=window.host_cpu_seconds, profile=profiler.summary,
                 attention=args.attn_implementation, dense_parameters=counts["total"] - tables,
                 table_parameters=tables, precision=precision if recipe else "bf16" if args.bf16 else "fp32")
 
@@ -300,7 +333,7 @@ def run_nanochat(args: VsNanochatArguments) -> dict:
     if args.compile:
         model = torch.compile(model, dynamic=False)
     total = args.warmup_steps + args.steps
-    profiled = PROFILE_STEPS if args.profile_dir else 0
+    profiled = args.profile_steps
     rows = torch.from_numpy(zipf_rows(args, (total + profiled) * args.batch_size, args.seq_len + 1)).to(device)
     window = Window(args.warmup_steps, total)
     profiler = StepProfiler(args.profile_dir, "nanochat", total, total + profiled)
@@ -314,6 +347,7 @@ def run_nanochat(args: VsNanochatArguments) -> dict:
         window.tick(step + 1)
         profiler.tick(step + 1)
     return dict(flops_per_token=fpt, seconds=window.seconds, first_step_seconds=window.first_step_seconds,
+                host_cpu_seconds=window.host_cpu_seconds, profile=profiler.summary,
                 dense_parameters=parameters, table_parameters=0, precision=str(COMPUTE_DTYPE).removeprefix("torch."),
                 attention="fa3" if flash_attention.USE_FA3 else "sdpa (nanochat's fallback)")
 
@@ -332,6 +366,10 @@ def run_arm(args: VsNanochatArguments, arm: str) -> dict:
     result["mfu"] = 100 * result["tok_per_sec"] * result["flops_per_token"] / peak if peak else None
     result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
     result["compile_seconds"] = result["first_step_seconds"] - result["seconds"] / args.steps
+    result["ms_per_step"] = 1e3 * result["seconds"] / args.steps
+    result["host_cpu_ms_per_step"] = 1e3 * result.pop("host_cpu_seconds") / args.steps
+    for key, per_step in (result.pop("profile") or {}).items():
+        result[f"{key}_per_step"] = per_step
     return dict(arm=arm, **result, arm_seconds=time.perf_counter() - started)
 
 
@@ -342,13 +380,14 @@ def print_table(args: VsNanochatArguments, results: list[dict], device: str) -> 
     print(f"\nPretraining step on {device}: depth {args.depth}, hidden {args.hidden_size}, batch {args.batch_size}×"
           f"{args.seq_len}, vocab {args.vocab_size}, window {args.window_pattern}, compile {args.compile}, "
           f"{args.steps} timed steps after {args.warmup_steps}; ratios against {reference['arm']}")
-    print(f"{'arm':<20}{'precision':<12}{'attention':<28}{'GFLOP/tok':>10}{'ms/step':>9}{'tok/s':>10}{'MFU %':>7}"
-          f"{'peak GB':>8}{'compile s':>10}{'tok/s ×':>9}{'memory ×':>9}")
+    print(f"{'arm':<20}{'precision':<12}{'attention':<28}{'GFLOP/tok':>10}{'ms/step':>9}{'host ms':>8}{'busy ms':>8}"
+          f"{'tok/s':>10}{'MFU %':>7}{'peak GB':>8}{'compile s':>10}{'tok/s ×':>9}{'memory ×':>9}")
     for r in results:
         memory_ratio = (f"{r['peak_memory_gb'] / reference['peak_memory_gb']:.3f}"
                         if r["peak_memory_gb"] and reference["peak_memory_gb"] else "n/a")
         print(f"{r['arm']:<20}{r['precision'][:11]:<12}{r['attention']:<28}{r['flops_per_token'] / 1e9:>10.3f}"
-              f"{1e3 * r['seconds'] / args.steps:>9.1f}{r['tok_per_sec']:>10.0f}"
+              f"{r['ms_per_step']:>9.1f}{r['host_cpu_ms_per_step']:>8.1f}"
+              f"{r.get('device_busy_ms_per_step', float('nan')):>8.1f}{r['tok_per_sec']:>10.0f}"
               f"{r['mfu'] if r['mfu'] is None else round(r['mfu'], 1)!s:>7}"
               f"{r['peak_memory_gb'] if r['peak_memory_gb'] is None else round(r['peak_memory_gb'], 1)!s:>8}"
               f"{r['compile_seconds']:>10.1f}{r['tok_per_sec'] / reference['tok_per_sec']:>9.3f}{memory_ratio:>9}")

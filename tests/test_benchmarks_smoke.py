@@ -157,10 +157,11 @@ def test_the_device_call_runs_its_sections_at_smoke_sizes_and_fills_their_fields
                           env=environment | {"OUT": str(tmp_path), "BENCH_GPU_MODE": mode})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     expected = [sections] if sections else list(gpu_sections.SECTIONS)
-    ordered = f"{sections};" if sections else "pretrain, trainer, muon_step"  # auto: by importance
+    ordered = f"{sections};" if sections else "pretrain, pretrain_l3, sft"  # auto: by importance
     assert f"gpu_suite: sections {ordered}" in (tmp_path / "gpu_suite.log").read_text()
     assert {path.name for path in tmp_path.glob("*_profile.txt")} == (
-        {"hfl3_profile.txt", "hfl3_l3_profile.txt"} | ({"nanochat_profile.txt"} if have_nanochat else set()))
+        {"hfl3_profile.txt"} | ({"hfl3_l3_profile.txt"} if not sections else set())
+        | ({"nanochat_profile.txt"} if have_nanochat else set()))
     results = json.loads((tmp_path / "gpu_suite_cpu_smoke.json").read_text())
     markdown = (tmp_path / "gpu_suite_cpu_smoke.md").read_text()
     assert list(results["sections"]) == expected
@@ -177,20 +178,46 @@ def test_the_device_call_runs_its_sections_at_smoke_sizes_and_fills_their_fields
             if row["hfl3"] is not None and row["reference"]:
                 assert row["ratio"] == pytest.approx(row["hfl3"] / row["reference"])
             assert row["passed"] is None  # a CPU run judges no goal
-        arms = entry["details"].get("results")  # per arm where a section runs arms that may fail alone
+        arms = (entry["details"] or {}).get("results")  # per arm where a section runs arms that may fail alone
         if isinstance(arms, dict):
-            assert not [arm for arm, result in arms.items() if "error" in result], (name, arms)
+            assert not [arm for arm, runs in arms.items() for run in runs if "error" in run], (name, arms)
     pretrain = results["sections"]["pretrain"]
-    assert ("nanochat" in pretrain["details"]["results"]) is have_nanochat
+    # every arm measured once per round, in alternating order (A B, then B A), and the ratios carry the rounds' range
+    assert {arm: len(runs) for arm, runs in pretrain["details"]["results"].items()} == (
+        {"hfl3": gpu_sections.ROUNDS} | ({"nanochat": gpu_sections.ROUNDS} if have_nanochat else {}))
+    assert (pretrain["rows"][0]["spread"] is not None) is have_nanochat
     assert [row["note"] == gpu_sections.NANOCHAT_MISSING for row in pretrain["rows"]][:4] == [not have_nanochat] * 4
-    dense = pretrain["details"]["results"]["hfl3"]
+    dense = pretrain["details"]["results"]["hfl3"][0]
     sizes = gpu_sections.PRETRAIN_TINY
     config = L3GPTConfig.from_depth(sizes["depth"], vocab_size=sizes["vocab_size"], head_dim=sizes["head_dim"],
                                     max_position_embeddings=sizes["seq_len"], window_pattern="L")
     assert dense["flops_per_token"] == flops_per_token(config, sizes["seq_len"]) and dense["table_parameters"] == 0
     if "fp8" in expected:
-        assert set(results["sections"]["fp8"]["details"]["results"]) == {"hfl3", *gpu_sections.FP8_ARMS}
-    assert "| measurement | hfl3 | reference | ratio | goal | pass/fail | note |" in markdown
+        assert set(results["sections"]["fp8"]["details"]["results"]) == {"hfl3", "hfl3_fp8_tensorwise"}
+    if "pretrain_l3" in expected:  # two arms in every checkout: the rounds' range is there
+        l3_rows = results["sections"]["pretrain_l3"]["rows"]
+        assert l3_rows[0]["spread"] is not None and "–" in markdown.split("`pretrain_l3`")[1].split("\n|")[2]
+    assert "| measurement | hfl3 | reference | ratio (rounds' range) | goal | pass/fail | note |" in markdown
+
+
+def test_a_sections_arms_alternate_over_the_rounds_and_their_ratios_carry_the_spread(suite):
+    gpu_sections = suite[1]
+    order, reported = [], []
+    tok_per_sec = {"a": iter([100.0, 120.0]), "b": iter([50.0, 40.0])}
+
+    def measure(arm):
+        order.append(arm)
+        return {"tok_per_sec": next(tok_per_sec[arm])}
+
+    results = gpu_sections.each_arm(["a", "b"], measure, lambda rows, details: reported.append(rows),
+                                    lambda results: [len(results["a"]) + len(results["b"])], rounds=2)
+    assert order == ["a", "b", "b", "a"] and reported == [[1], [2], [3], [4]]
+    assert gpu_sections.value(results["a"], "tok_per_sec") == 110.0  # the median over the rounds
+    assert gpu_sections.ratio_spread(results["a"], results["b"], "tok_per_sec") == (2.0, 3.0)  # per round: 2, 3
+    failed = gpu_sections.each_arm(["a"], lambda arm: 1 / 0, lambda *_: None, lambda results: [], rounds=2)
+    assert gpu_sections.missing(failed["a"]).startswith("ZeroDivisionError") and gpu_sections.value(failed["a"], "x") is None
+    row = gpu_sections.row("m", 2.0, 1.0, "ref", spread=(1.9, 2.1))
+    assert row["spread"] == [1.9, 2.1] and row["ratio"] == 2.0
 
 
 def _overrunning_section(profile, report):
@@ -269,7 +296,7 @@ def test_merge_keeps_finished_sections_and_refuses_another_device(suite, tmp_pat
     # rows (loss) beats a finished section whose arms crashed
     assert {name: entry["status"] for name, entry in merged.items()} == {
         "pretrain": "done", "fp8": "done", "trainer": "done", "sft": "done", "loss": "overran"}
-    assert list(merged) == ["pretrain", "trainer", "fp8", "loss", "sft"]  # the suite's order
+    assert list(merged) == ["pretrain", "sft", "fp8", "trainer", "loss"]  # the suite's order
     other = part("NVIDIA H200", {"loss": "done"})
     with pytest.raises(ValueError, match="NVIDIA H200 .gpu. is not NVIDIA H100"):
         gpu_suite.merge([first, other], str(tmp_path / "merged"))
@@ -290,7 +317,8 @@ def test_auto_runs_the_sections_without_a_committed_gpu_result_first(suite, tmp_
     order = gpu_suite.auto_sections(gpu_sections.Profile("gpu", "cuda"), tmp_path)
     # a section counts as measured when a GPU run finished it with every goal's ratio: muon_step and loss, not
     # pretrain (its hfl3 value missing), trainer (failed) or fp8 (a CPU run)
-    assert order == ["pretrain", "trainer", "fp8", "dense_core", "l3_offload", "sft", "qlora", "muon_step", "loss"]
+    assert order == ["pretrain", "pretrain_l3", "sft", "fp8", "trainer", "dense_core", "l3_offload", "fp8_rowwise",
+                     "fp8_ao", "qlora", "muon_step", "loss"]
     assert gpu_suite.auto_sections(gpu_sections.Profile("smoke", "cpu"), tmp_path) == list(gpu_sections.SECTIONS)
 
 

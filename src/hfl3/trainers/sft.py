@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import TrainingArguments
 from transformers.trainer_utils import IntervalStrategy
 from trl import SFTConfig, SFTTrainer
 
@@ -82,8 +83,9 @@ class ChatSFTConfig(MuonTrainingArguments, SFTConfig):
     assistant_only_loss: bool = field(default=True, metadata={
         "help": "Loss on the assistant replies the model's chat template renders (hfl3's masks; default: on); false: "
                 "on the whole sequence, as TRL's default."})
-    optim: str = field(default="adamw_torch", metadata={"help": "One of transformers' OptimizerNames, or muon "
-                                                        "(MuonAdamW over every weight: --use_peft false)."})
+    optim: str = field(default=TrainingArguments.optim, metadata={
+        "help": "One of transformers' OptimizerNames (default: transformers' and TRL's, adamw_torch_fused with torch "
+                ">= 2.8), or muon (MuonAdamW over every weight: --use_peft false)."})
     lr_scheduler_type: str | None = field(default=None, metadata={
         "help": "LR schedule (default: linear; with --optim muon: warmup_stable_decay, nanochat chat SFT's)."})
     warmdown_ratio: float = field(default=0.5, metadata={"help": "Share of steps in the final linear warmdown "

@@ -16,14 +16,19 @@ from .configuration_l3gpt import L3GPTConfig
 
 
 class L3GPTRMSNorm(nn.Module):
-    """Parameter-free RMSNorm over the last dimension (nanochat: `F.rms_norm(x, (x.size(-1),))`)."""
+    """Parameter-free RMSNorm over the last dimension (nanochat: `F.rms_norm(x, (x.size(-1),))`), in the input's dtype
+    even under autocast: CUDA's autocast runs `rms_norm` in float32 and returns float32 (ATen's `AT_FORALL_FP32`
+    list), which would turn every normed activation of a bf16 stream — each block's input to its projections, the
+    query and key norms, the final norm — into a float32 tensor twice the bytes, saved for the backward; nanochat
+    norms in bf16 ("this will run in bf16, seems ok"). The reduction accumulates in float32 either way."""
 
     def __init__(self, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(hidden_states, (hidden_states.size(-1),), eps=self.eps)
+        with torch.autocast(hidden_states.device.type, enabled=False):
+            return F.rms_norm(hidden_states, (hidden_states.size(-1),), eps=self.eps)
 
 
 def with_init(module: nn.Module, scheme: str, scale: float = 0.0) -> nn.Module:
