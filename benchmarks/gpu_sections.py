@@ -203,9 +203,14 @@ def run_pretrain(profile: Profile, report) -> dict:
             row("peak memory GB, hfl3 dense vs nanochat", value(dense, "peak_memory_gb"),
                 value(nanochat, "peak_memory_gb"), "nanochat", ("<=", 1.0), why or memory,
                 ratio_spread(dense, nanochat, "peak_memory_gb")),
-            row("compile s (first step − a timed step; later rounds reuse Inductor's cache), hfl3 dense vs nanochat",
-                value(dense, "compile_seconds"), value(nanochat, "compile_seconds"), "nanochat", ("<=", 1.1), why,
-                ratio_spread(dense, nanochat, "compile_seconds")),
+            row("compile s (torch._dynamo's compile time, forward and backward graphs; later rounds reuse "
+                "Inductor's cache), hfl3 dense vs nanochat", value(dense, "compile_wall_seconds"),
+                value(nanochat, "compile_wall_seconds"), "nanochat", ("<=", 1.1), why,
+                ratio_spread(dense, nanochat, "compile_wall_seconds")),
+            row("first step s beyond a timed one (compile, data loading, optimizer state), hfl3 dense vs nanochat",
+                value(dense, "compile_seconds"), value(nanochat, "compile_seconds"), "nanochat", None, why),
+            row("compiled graphs, hfl3 dense vs nanochat", value(dense, "compiled_graphs"),
+                value(nanochat, "compiled_graphs"), "nanochat", None, why),
             *_step_rows(dense, nanochat, "nanochat", why),
         ]
 

@@ -15,6 +15,9 @@ Arms (each in a fresh process, so compile caches and peak memory are its own):
 - `hfl3_liger`, `hfl3_chunked`: `hfl3` with the memory-light training loss (`--loss_implementation liger` /
   `chunked`) instead of the default, the logits inside the compiled graph; `hfl3_fp32_embeddings`: `hfl3` with
   float32 token and value-embedding tables (`--embedding_dtype float32`) instead of bf16.
+- `hfl3_reduce_overhead`, `hfl3_max_autotune`: `hfl3` compiled with `--torch_compile_mode reduce-overhead` (CUDA
+  graphs: the host's launches replayed, against the device's idle time) / `max-autotune-no-cudagraphs` (Inductor
+  benchmarks GEMM and kernel configurations at compile time).
 - `hfl3_fp8_tensorwise`, `hfl3_fp8_rowwise`: `hfl3` with `convert_to_float8_training(model, recipe)` before the
   Trainer, as `recipes/pretrain.py --fp8 ...` does (bf16 autocast around the FP8 matmuls).
 - `hfl3_fp8_ao`: `hfl3` with FP8 through accelerate's torchao backend, launched as
@@ -65,6 +68,8 @@ from common import ModelShape, device_shape, in_fresh_process, shown_path, write
 HFL3_ARMS = {
     "hfl3": {}, "hfl3_l3": {"l3": True}, "hfl3_legacy": {"legacy_core": True}, "hfl3_liger": {"loss": "liger"},
     "hfl3_chunked": {"loss": "chunked"}, "hfl3_fp32_embeddings": {"embedding_dtype": "float32"},
+    "hfl3_reduce_overhead": {"compile_mode": "reduce-overhead"},
+    "hfl3_max_autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
     "hfl3_fp8_tensorwise": {"fp8": "tensorwise"}, "hfl3_fp8_rowwise": {"fp8": "rowwise"}, "hfl3_fp8_ao": {"fp8": "ao"},
 }
 ARMS = ("nanochat", *HFL3_ARMS)
@@ -284,6 +289,7 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
     training_args = PretrainConfig(
         output_dir=output_dir, max_steps=total + profiled, per_device_train_batch_size=args.batch_size,
         max_length=args.seq_len, optim="muon", bf16=args.bf16 and recipe != "ao", torch_compile=args.compile,
+        torch_compile_mode=change.get("compile_mode"),
         warmup_steps=2, eval_strategy="no", report_to="none", logging_steps=args.steps, disable_tqdm=True,
         attend_across_documents=True, dataloader_num_workers=args.dataloader_num_workers, save_strategy="no",
         fp8=recipe if recipe != "ao" else None, use_cpu=device == "cpu",  # bf16 on a CPU needs use_cpu
@@ -366,11 +372,32 @@ def run_arm(args: VsNanochatArguments, arm: str) -> dict:
     result["mfu"] = 100 * result["tok_per_sec"] * result["flops_per_token"] / peak if peak else None
     result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
     result["compile_seconds"] = result["first_step_seconds"] - result["seconds"] / args.steps
+    result.update(compile_phases())
     result["ms_per_step"] = 1e3 * result["seconds"] / args.steps
     result["host_cpu_ms_per_step"] = 1e3 * result.pop("host_cpu_seconds") / args.steps
     for key, per_step in (result.pop("profile") or {}).items():
         result[f"{key}_per_step"] = per_step
     return dict(arm=arm, **result, arm_seconds=time.perf_counter() - started)
+
+
+# torch._dynamo's timing keys (`compilation_time_metrics`): a compiled frame (dynamo, AOT autograd, the forward's
+# Inductor), the backward's lazy compile, and where that time went
+COMPILE_TOTAL_KEYS = ("_compile.compile_inner", "backward._backward_impl")
+COMPILE_PHASE_KEYS = {"dynamo_tracing": "bytecode_tracing", "aot_autograd": "create_aot_dispatcher_function",
+                      "inductor_forward": "compile_fx.<locals>.fw_compiler_base",
+                      "inductor_backward": "compile_fx.<locals>.bw_compiler", "kernel_compile_wait": "async_compile.wait"}
+
+
+def compile_phases() -> dict:
+    """This process's compile time as torch._dynamo recorded it: `compile_wall_seconds` (every compiled frame and
+    every backward compiled at its first call; the first step's other work — data loading, the optimizer's state —
+    is not in it, as it is in `compile_seconds`), `compiled_graphs`, and `compile_phase_seconds` by phase."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    total = {key: sum(values) for key, values in compilation_time_metrics.items()}
+    return {"compile_wall_seconds": sum(total.get(key, 0.0) for key in COMPILE_TOTAL_KEYS),
+            "compiled_graphs": counters["stats"]["unique_graphs"],
+            "compile_phase_seconds": {name: total.get(key, 0.0) for name, key in COMPILE_PHASE_KEYS.items()}}
 
 
 def print_table(args: VsNanochatArguments, results: list[dict], device: str) -> dict:
