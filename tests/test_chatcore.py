@@ -213,3 +213,29 @@ def test_command_line_refuses_in_one_line(tiny_chat_model, tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             chatcore_cli.main(["--model_name_or_path", str(tiny_chat_model), *args])
         assert exit_info.value.code == 2 and expected in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_two_processes_take_their_shares_and_equal_one(tiny_chat_model, data_dir, tmp_path):
+    """`torchrun --nproc_per_node 2 -m hfl3.evaluate chatcore`: each rank takes every other problem (the tasks' counts
+    are odd: the shares differ), the outcomes are summed, rank 0 writes what one process computes alone."""
+    import os
+    import subprocess
+    import sys
+
+    common = ["--model_name_or_path", str(tiny_chat_model), "--data_dir", str(data_dir), "--max_cat", "5",
+              "--max_sample", "3", "--max_new_tokens", "6", "--dtype", "float32", "--batch_size", "2", "--use_cpu"]
+    alone = chatcore_cli.main([*common, "--output_json", str(tmp_path / "one.json")])
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    result = subprocess.run([torchrun, "--nproc_per_node", "2", "-m", "hfl3.evaluate", "chatcore", *common,
+                             "--output_json", str(tmp_path / "two.json")], capture_output=True, text=True,
+                            timeout=500, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["settings"]["num_processes"] == 2 and alone["settings"]["num_processes"] == 1
+    for name in TASKS:
+        mine, theirs = alone["tasks"][name], two["tasks"][name]
+        assert (theirs["problems"], theirs["passed"], theirs["cut_at_max_new_tokens"]) == (
+            mine["problems"], mine["passed"], mine["cut_at_max_new_tokens"]), name
+    assert two["chatcore"] == pytest.approx(alone["chatcore"])
