@@ -7,12 +7,28 @@ from the checkout given, never copied.
 The base folder holds `tokenizer/tokenizer.pkl`, `chatsft_checkpoints/<tag>/` and each task's data in nanochat's cache
 layout (`task_data/<repo>/<subset>/<split>/manifest.json` + parquet). Prints one line `RESULT {json}`: per task its
 accuracy, per problem the prompt's token ids, the answer nanochat evaluated (the letter, or the decoded completion)
-and the outcome; and `use_calculator` of each expression.
+and the outcome; and `use_calculator` of each expression. `write_nanochat_task_data` lays the fixture rows out there.
 """
 
 import json
 import sys
 import types
+from pathlib import Path
+
+
+def write_nanochat_task_data(base: Path, fixtures: Path) -> None:
+    """The ChatCORE fixture rows of `fixtures` as nanochat's `load_hub_dataset` caches a Hub dataset's parquet export
+    (`base/task_data/<repo>/<subset>/<split>/`)."""
+    import datasets
+
+    from hfl3.evaluate.chat_tasks import TASKS
+
+    for task in TASKS.values():
+        folder = base / "task_data" / task.hub_id.replace("/", "--") / task.config / task.split
+        folder.mkdir(parents=True, exist_ok=True)
+        files = sorted(str(p) for p in (fixtures / task.hub_id / task.config).glob(f"{task.split}*"))
+        datasets.load_dataset("json", data_files=files, split="train").to_parquet(str(folder / "00000.parquet"))
+        (folder / "manifest.json").write_text(json.dumps(["00000.parquet"]))
 
 
 def main() -> None:

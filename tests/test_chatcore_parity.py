@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from nanochat_chat_eval import write_nanochat_task_data
 from nanochat_reference import Spec, random_weights, train_ranks, write_checkpoint, write_tokenizer_pickle
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -41,18 +42,6 @@ pytestmark = [
 ]
 
 
-def write_nanochat_task_data(base: Path) -> None:
-    """The fixture rows as nanochat's load_hub_dataset caches a Hub dataset's parquet export."""
-    import datasets
-
-    for task in TASKS.values():
-        folder = base / "task_data" / task.hub_id.replace("/", "--") / task.config / task.split
-        folder.mkdir(parents=True, exist_ok=True)
-        files = sorted(str(p) for p in (FIXTURES / task.hub_id / task.config).glob(f"{task.split}*"))
-        datasets.load_dataset("json", data_files=files, split="train").to_parquet(str(folder / "00000.parquet"))
-        (folder / "manifest.json").write_text(json.dumps(["00000.parquet"]))
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, assets):
     pytest.importorskip("tiktoken", reason="nanochat's tokenizer needs tiktoken (pip install tiktoken)")
@@ -60,7 +49,7 @@ def checkpoint(tmp_path_factory, assets):
     ranks = train_ranks((assets / "text" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:300_000], 491)
     write_tokenizer_pickle(base / "tokenizer", ranks)
     folder = write_checkpoint(base / "chatsft_checkpoints" / "d3", random_weights(SPEC, seed=3), SPEC, step=20)
-    write_nanochat_task_data(base)
+    write_nanochat_task_data(base, FIXTURES)
     return base, convert(folder, base / "tokenizer", base / "hf")
 
 
