@@ -28,6 +28,7 @@ accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sft_lora.py 
 
 Any field can be overridden on the command line (`--help` lists the recipe's own first), e.g. `--lora_r 32
 --lora_target_modules all-linear`, `--val_split 0.05` or `--eval_file F`, `--early_stopping_patience 2`,
+`--chatcore_every 200` (nanochat's ChatCORE every 200 steps and at the end, `hfl3.evaluate.chat_callback`),
 `--packing`, `--merge`, `--push_to_hub --hub_model_id USER/NAME` (with a local base model: `--base_model_hub_id
 USER/BASE`, unless the base folder's metadata.json names its Hub repository). Every path and name given is checked
 before any work (`hfl3.trainers.arguments.check_sft_inputs`): a mistyped one ends the run with one line and exit status 2.

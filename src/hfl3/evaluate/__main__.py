@@ -1,4 +1,5 @@
-"""`python -m hfl3.evaluate core`: the CORE metric of a saved causal LM, per-task table and JSON.
+"""`python -m hfl3.evaluate core`: the CORE metric of a saved causal LM, per-task table and JSON
+(`python -m hfl3.evaluate chatcore`, a chat model's ChatCORE, is `hfl3.evaluate.chatcore_cli`).
 
     # an hfl3 output folder, nanochat's bundle (downloaded once into the Hugging Face cache when online)
     python -m hfl3.evaluate core --model_name_or_path outputs/demo --max_per_task 500 --output_json core.json
@@ -20,7 +21,8 @@ import logging
 import sys
 from dataclasses import asdict, dataclass, field
 
-USAGE = "usage: python -m hfl3.evaluate core --model_name_or_path M [--core_bundle_dir D] [options] (--help lists them)"
+USAGE = ("usage: python -m hfl3.evaluate core --model_name_or_path M [--core_bundle_dir D] [options] (--help lists "
+         "them)\n       python -m hfl3.evaluate chatcore --model_name_or_path M [options]")
 
 
 @dataclass
@@ -65,7 +67,12 @@ def parse(argv: list[str]) -> CoreEvaluationArguments:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the evaluation; returns the JSON-safe results (also on processes other than the main one)."""
-    args = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "chatcore":
+        from hfl3.evaluate.chatcore_cli import main as chatcore_main
+
+        return chatcore_main(argv[1:])
+    args = parse(argv)
     import hfl3  # noqa: F401  (registers L3GPT with the Auto classes)
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM, AutoTokenizer

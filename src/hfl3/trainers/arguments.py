@@ -52,6 +52,7 @@ from hfl3.data.sft_sources import BUILDERS, check_jsonl_file, dataset_splits
 from hfl3.data.sources import LOCAL_SUFFIXES, file_format
 from hfl3.distributed import check_same_on_all_ranks, on_all_ranks, rank
 from hfl3.evaluate import check_core_bundle
+from hfl3.evaluate.chat_callback import check_chatcore_setup
 from hfl3.provenance.hub import is_hub_id
 from hfl3.trainers.flags import check_model_flags, refuse_flags
 from hfl3.trainers.outputs import OutputFolder, base_model_hub_id, prepare_output_dir, safetensors_problem
@@ -517,6 +518,7 @@ def check_sft_inputs(script_args, model_args, training_args, given: frozenset[st
     output = prepare_output_dir(training_args)
     has_eval_data = check_sft_arguments(script_args, training_args, model_args)
     evaluation = decide_evaluation(training_args, has_eval_data, resuming=bool(output.resume_checkpoint))
+    check_chatcore_setup(training_args)  # its data, and a ChatCORE metric_for_best_model
     check_sft_model(model_args, training_args)
     settings, optimizer_state = decide_from_base(model_args, training_args, given)
     for argument in ("train_file", "eval_file"):

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hfl3.evaluate.chatcore import chatcore_eval_results
 from hfl3.evaluate.core import core_eval_results
 from hfl3.provenance import portable
 
@@ -50,7 +51,8 @@ def l3gpt_model_card(metadata: Mapping[str, Any], name: str) -> dict:
 
 def sft_model_card(metadata: Mapping[str, Any], name: str, adapter: bool) -> dict:
     """`write_model_card` arguments for an SFT output loaded as `name` (a Hub id, or a folder relative to the working
-    directory): the snippet that loads it, the results. The base is named by its Hub id when known
+    directory): the snippet that loads it, the results, ChatCORE when it was evaluated (`metadata["evaluation"]
+    ["chatcore"]`, as `eval_results` for the card's `model-index`). The base is named by its Hub id when known
     (`metadata["base_model"]["hub_id"]`), else as the local folder it was."""
     base = metadata.get("base_model") or {}
     hub_id = base.get("hub_id")
@@ -82,6 +84,9 @@ def sft_model_card(metadata: Mapping[str, Any], name: str, adapter: bool) -> dic
     results = metadata.get("results")
     if results:
         usage += "\n\n## Results\n\n" + "\n".join(f"- {k}: {v}" for k, v in sorted(results.items()))
-    return {"title": f"{Path(name).name} (LoRA SFT of {Path(shown).name if not hub_id else hub_id})",
+    card = {"title": f"{Path(name).name} (LoRA SFT of {Path(shown).name if not hub_id else hub_id})",
             "extra_markdown": usage, "library_name": "peft" if adapter else "transformers",
             "tags": ("hfl3", "sft", "lora", "trl"), "base_model": hub_id}
+    if chatcore := (metadata.get("evaluation") or {}).get("chatcore"):
+        card.update(eval_results=chatcore_eval_results(chatcore), model_name=Path(name).name)
+    return card

@@ -331,6 +331,12 @@ _SFT_HONOURED = {
     "warmdown_ratio": "OptimizerMixin.create_scheduler",
     "final_lr_frac": "OptimizerMixin.create_scheduler",
     "overwrite_output_dir": "prepare_output_dir",
+    # ChatCoreArguments (ChatSFTConfig's): ChatCORE during training
+    "chatcore_every": "ChatCoreCallback",
+    "chatcore_max_cat": "chatcore_problems_for_training",
+    "chatcore_max_sample": "chatcore_problems_for_training",
+    "chatcore_max_new_tokens": "ChatCoreCallback",
+    "chatcore_data_dir": "chatcore_problems_for_training (checked at parse time: check_chatcore_setup)",
     # TrainingArguments fields whose use is SFT's own
     "num_train_epochs": "the Trainer's",
     "auto_find_batch_size": "the Trainer's",
@@ -398,6 +404,8 @@ NEEDS: dict[str, dict[str, Needs]] = {
         "early_stopping_threshold": Needs("--early_stopping_patience N",
                                           lambda values: bool(values["early_stopping_patience"])),
         "max_new_tokens": Needs("--sample_prompts", lambda values: bool(values["sample_prompts"])),
+        **{name: Needs("--chatcore_every N", lambda values: values["chatcore_every"] > 0) for name in (
+            "chatcore_max_cat", "chatcore_max_sample", "chatcore_max_new_tokens", "chatcore_data_dir")},
         # TRL 1.16 refuses unpacked padding-free rows with a max_length, after the data and model are loaded
         "use_liger_kernel": Needs("liger-kernel, which is not installed",
                                   lambda values: not values["use_liger_kernel"] or is_liger_kernel_available(),

@@ -17,6 +17,7 @@ from trl import SFTConfig, SFTTrainer
 
 import hfl3  # noqa: F401  (registers L3GPT with the Auto classes)
 from hfl3.atomic import write_json_atomic
+from hfl3.evaluate.chat_callback import ChatCoreArguments, ChatCoreCallback, check_chatcore_arguments
 from hfl3.generation import answer_prompts
 from hfl3.provenance import base_lineage, stamp_folder
 from hfl3.trainers.arguments import check_training_arguments
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class ChatSFTConfig(MuonTrainingArguments, SFTConfig):
+class ChatSFTConfig(ChatCoreArguments, MuonTrainingArguments, SFTConfig):
     """`SFTConfig` with defaults for SFT that also run on a CPU, LoRA (`--use_peft`, the default) or every weight
     (`--use_peft false`), with the Trainer's optimizers or MuonAdamW (`--optim muon`: the fields and groups of
     pretraining, `hfl3.trainers.optimizers.MuonTrainingArguments`, with nanochat chat SFT's schedule).
@@ -74,6 +75,8 @@ class ChatSFTConfig(MuonTrainingArguments, SFTConfig):
             has the state of this run's optimizer.
         use_muon, the Muon group LRs (`matrix_lr`, ...), `warmdown_ratio` (here 0.5), `final_lr_frac`: as
             pretraining's, and inherited from a base that `recipes/pretrain.py` wrote unless given.
+        chatcore_every, chatcore_max_cat, chatcore_max_sample, chatcore_max_new_tokens, chatcore_data_dir: ChatCORE
+            during training (`hfl3.evaluate.chat_callback.ChatCoreArguments`).
     """
 
     _argument_group_name = "training (ChatSFTConfig: trl.SFTConfig with hfl3's defaults; early_stopping_* last)"
@@ -128,6 +131,7 @@ class ChatSFTConfig(MuonTrainingArguments, SFTConfig):
     def __post_init__(self):
         self.take_muon_out_of_optim()
         check_training_arguments(self)  # a zero/negative learning rate or max_steps 0 trains nothing
+        check_chatcore_arguments(self)
         set_up_cpu_process_group(self)  # --ddp_timeout acts with --use_cpu too
         if self.lr_scheduler_type is None:
             self.lr_scheduler_type = "warmup_stable_decay" if self.use_muon else "linear"
@@ -223,15 +227,23 @@ class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  #
         if self.compact_loss:
             add_supervised_nll(self._base_model(), owner=self.model)
 
+    @property
+    def chatcore(self) -> ChatCoreCallback | None:
+        """ChatCORE's callback (`--chatcore_every`), or None."""
+        return next((c for c in self.callback_handler.callbacks if isinstance(c, ChatCoreCallback)), None)
+
     def run_results(self) -> dict:
         """What `hfl3.trainers.training.train_and_evaluate` adds to the results: `train_supervised_tokens` (those of
         one epoch times the epochs trained) and their rate over `train_runtime` (which includes the evaluations and
-        checkpoint saves made during training), when the epoch's count is known."""
+        checkpoint saves made during training), when the epoch's count is known; the final ChatCORE metrics
+        (`--chatcore_every`)."""
+        chatcore = self.chatcore
+        results = chatcore.latest.metrics("eval_") if chatcore and chatcore.latest else {}
         if self.train_supervised_tokens is None:
-            return {}
+            return results
         tokens = int(self.train_supervised_tokens * (self.state.epoch or 0.0))
         runtime = next((e["train_runtime"] for e in reversed(self.state.log_history) if "train_runtime" in e), None)
-        return {"train_supervised_tokens": tokens,
+        return {**results, "train_supervised_tokens": tokens,
                 "train_supervised_tokens_per_second": tokens / runtime if runtime else None}
 
     def _base_model(self):
@@ -316,6 +328,8 @@ class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  #
             output.metrics[f"{metric_key_prefix}_loss"] = loss
             output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(loss) if loss < 700 else math.inf
             output.metrics[f"{metric_key_prefix}_supervised_tokens"] = int(self._eval_token_count.item())
+        if chatcore := self.chatcore:  # when due at this step (ChatCoreCallback)
+            output.metrics.update(chatcore.evaluation_metrics(metric_key_prefix))
         return output
 
 

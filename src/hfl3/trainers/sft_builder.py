@@ -14,6 +14,7 @@ from hfl3.data.chat import write_chat_jsonl
 from hfl3.data.sft import SFTData, load_sft_data, sft_data_options
 from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.distributed import main_writes
+from hfl3.evaluate.chat_callback import ChatCoreCallback, chatcore_problems_for_training
 from hfl3.provenance import base_lineage, build_metadata, config_sha256
 from hfl3.trainers.arguments import RunSetup, apply_evaluation, check_sft_arguments, decide_evaluation
 from hfl3.trainers.base_model import load_base_model, quantization_metadata
@@ -137,6 +138,7 @@ def build_sft_trainer(script_args: SFTScriptArguments, training_args: ChatSFTCon
         setup = RunSetup(None, decide_evaluation(training_args, has_eval_data, resuming=False),
                          *decide_from_base(model_args, training_args, frozenset()))
     apply_evaluation(training_args, setup.evaluation)
+    chatcore_problems = chatcore_problems_for_training(training_args)  # --chatcore_every: read before the model
     for name, (value, source) in setup.settings.items():  # what a full fine-tuning takes from its base
         setattr(training_args, name, value)
         logger.info("%s = %s (from %s)", name, value, source)
@@ -178,6 +180,9 @@ def build_sft_trainer(script_args: SFTScriptArguments, training_args: ChatSFTCon
         train_supervised_tokens=data.train_supervised_tokens,
         callbacks=[EarlyStoppingCallback(patience, training_args.early_stopping_threshold)] if patience else None,
     )
+    if chatcore_problems is not None:
+        trainer.add_callback(ChatCoreCallback(trainer, chatcore_problems, training_args.chatcore_every,
+                                              training_args.chatcore_max_new_tokens))
     return SFTRun(trainer, data, metadata, script_args)
 
 
@@ -188,6 +193,8 @@ def finish_sft(run: SFTRun, results: dict) -> None:
     every rank."""
     trainer, script_args = run.trainer, run.script_args
     trainer.provenance = {**run.metadata, "results": results}
+    if (chatcore := trainer.chatcore) and chatcore.latest:  # for the card's model-index too
+        trainer.provenance["evaluation"] = {"chatcore": chatcore.latest.summary()}
     with trainer.finish_output() as folder:  # staged, committed whole when the block completes
         trainer.save_metrics("all", results)
         trainer.save_state()
