@@ -258,8 +258,12 @@ class HostSyncCounter:
         runs); see `observe_op`."""
 
     def recorders(self) -> tuple:
-        """The modes that record inside a custom op's Python body (run below the dispatch mode)."""
+        """The modes that record: a function mode and a dispatch mode."""
         return _FunctionRecorder(self), _DispatchRecorder(self)
+
+    def nested_recorders(self) -> tuple:
+        """The modes that record inside a custom op's Python body (run below the dispatch mode)."""
+        return self.recorders()
 
 
 class _FunctionRecorder(TorchFunctionMode):
@@ -328,15 +332,15 @@ class _DispatchRecorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         else:  # a torch.library custom op runs its Python body below this mode: run it here, recorded
             with contextlib.ExitStack() as stack:
-                for mode in counter.recorders():
+                for mode in counter.nested_recorders():
                     stack.enter_context(mode)
                 counter.forward_depth += on_device  # model code: a tensor it makes with `device=` is on the device
                 try:
                     out = custom_op._init_fn(*args, **kwargs)
                 finally:
                     counter.forward_depth -= on_device
-        if on_device or (kwargs.get("device") is not None and counter.in_model_code()):
-            counter.mark_device(out)  # (a factory given `device=` in model code: `torch.empty(n, device=x.device)`)
+        if on_device:
+            counter.mark_device(out)
         return out
 
 

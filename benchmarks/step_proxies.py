@@ -299,6 +299,10 @@ class RuntimeStepCounter(StepEventCounter):
     def recorders(self) -> tuple:
         return _WrappedMethods(self), _RuntimeDispatchRecorder(self)
 
+    def nested_recorders(self) -> tuple:
+        """A custom op's body runs eagerly even when a compiled graph calls it: `HostSyncCounter`'s own modes."""
+        return host_syncs._FunctionRecorder(self), host_syncs._DispatchRecorder(self)
+
     def treat_as_device(self, args, kwargs) -> bool:
         """Inside Inductor's generated code every tensor is on the graph's device: marked so (a custom op's body
         then sees its inputs as device tensors)."""
