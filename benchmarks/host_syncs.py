@@ -235,7 +235,9 @@ class HostSyncCounter:
                                      or any(part in frame.f_code.co_filename for part in PLUMBING)):
             frame = frame.f_back
         caller = frame
-        while caller is not None and self.library(caller.f_code.co_filename) == "torch":
+        while caller is not None and (self.library(caller.f_code.co_filename) == "torch"
+                                      or caller.f_code.co_filename == __file__
+                                      or caller.f_code.co_filename in self.harness_files):
             caller = caller.f_back
         site, library = (frame_name(frame), self.library(frame.f_code.co_filename)) if frame else ("C++", "torch")
         return dict(site=site, library=library, caller=frame_name(caller) if caller else None,
@@ -311,7 +313,7 @@ class _DispatchRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         counter, packet = self.counter, func.overloadpacket
-        on_device = counter.on_device(args, kwargs) or counter.treat_as_device(args, kwargs)
+        on_device = counter.treat_as_device(args, kwargs) or counter.on_device(args, kwargs)  # (marks, first)
         kind = SYNC_OPS.get(packet) if on_device else None
         if not on_device and packet in SYNC_OPS:
             kind = HOST_READ

@@ -74,7 +74,6 @@ on a CPU by default) and torch's fused AdamW (CUDA's `fused=True`). Device tenso
 Get nanochat with `git clone https://github.com/karpathy/nanochat build/nanochat` (`build/` is git-ignored).
 """
 
-import contextlib
 import os
 import re
 import sys
@@ -86,7 +85,8 @@ from pathlib import Path
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from transformers import HfArgumentParser, TrainerCallback
+from torch.utils._pytree import tree_leaves
+from transformers import HfArgumentParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import host_syncs  # noqa: E402
@@ -304,22 +304,24 @@ class RuntimeStepCounter(StepEventCounter):
         return host_syncs._FunctionRecorder(self), host_syncs._DispatchRecorder(self)
 
     def treat_as_device(self, args, kwargs) -> bool:
-        """Inside Inductor's generated code every tensor is on the graph's device: marked so (a custom op's body
-        then sees its inputs as device tensors)."""
+        """Inside Inductor's generated code every tensor is on the graph's device (a custom op's body then sees its
+        inputs as device tensors), but a 0-D integer tensor, taken for a host scalar that the graph copied to the
+        host (L3's pair count: `.cpu()` in the graph, which a CPU's generated code leaves out)."""
         if not self.in_compiled_code():
             return False
-        self.mark_device(args, kwargs)
+        self.mark_device([leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)
+                          and not (leaf.ndim == 0 and not leaf.is_floating_point())])
         return True
 
     def in_compiled_code(self) -> bool:
+        """Whether Inductor's generated code itself called the op (its first caller outside torch and this harness;
+        not an op inside a custom op's body that generated code called)."""
         frame = sys._getframe(1)
-        for _ in range(20):
-            if frame is None:
-                return False
-            if frame.f_code.co_filename.startswith(self.generated_code):
-                return True
+        while frame is not None and (frame.f_code.co_filename in self.harness_files
+                                     or frame.f_code.co_filename == host_syncs.__file__
+                                     or f"{os.sep}torch{os.sep}" in frame.f_code.co_filename):
             frame = frame.f_back
-        return False
+        return frame is not None and frame.f_code.co_filename.startswith(self.generated_code)
 
     def library(self, filename: str) -> str:
         return "compiled graph" if filename.startswith(self.generated_code) else super().library(filename)
@@ -399,7 +401,9 @@ class Phases:
         self._profiler = None
         self._started = None
         self._modules_before = 0
+        self._restore = []
         self.step = 0
+        self.graph_copies_to_host: list[str] = []  # sites of `.cpu()`/`.item()` that a compiled graph keeps
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -435,6 +439,8 @@ class Phases:
 
     def finish(self) -> None:
         self._leave()
+        for restore in self._restore:
+            restore()
         if self.args.compile:
             self.graphs["after counted steps"] = self._graph_state()
 
@@ -456,12 +462,20 @@ class Phases:
         if not self.args.compile:
             return
         from torch._dynamo.utils import counters
-        from torch._inductor import metrics
+        from torch._inductor import compile_fx, metrics
         from torch._inductor.codecache import PyCodeCache
 
         counters.clear()
         metrics.reset()
         self._modules_before = len(PyCodeCache.modules)
+        original = compile_fx.compile_fx
+
+        def compile_and_scan(gm, *args, **kwargs):  # dynamo's inductor backend calls this with each graph
+            self.graph_copies_to_host.extend(copies_to_host(gm))
+            return original(gm, *args, **kwargs)
+
+        compile_fx.compile_fx = compile_and_scan
+        self._restore.append(lambda: setattr(compile_fx, "compile_fx", original))
         torch.compiler.set_stance("default")
 
     def _graph_state(self) -> dict:
@@ -471,6 +485,7 @@ class Phases:
 
         code = generated_code_summary(PyCodeCache.modules[self._modules_before:])
         return dict(stats=dict(counters["stats"]), graph_breaks=dict(counters["graph_break"]),
+                    copies_to_host=dict(Counter(self.graph_copies_to_host)),
                     recompiles=sum(counters["recompiles"].values()) if "recompiles" in counters else 0,
                     inductor=dict(kernels_generated=metrics.generated_kernel_count,
                                   ir_nodes_pre_fusion=metrics.ir_nodes_pre_fusion), generated_code=code)
@@ -490,6 +505,22 @@ class Phases:
             if compiled_seconds:
                 out["compile_seconds"] = sum(warm) - len(warm) * min(compiled_seconds)
         return out
+
+
+def copies_to_host(gm: torch.fx.GraphModule) -> list[str]:
+    """The sites of the device→host copies a dynamo graph keeps (`.cpu()`, `.tolist()`, `.numpy()`, `.item()`,
+    `.to("cpu")`): on a CPU its generated code leaves them out (the tensor is already there), on CUDA each is a
+    blocking copy, a host sync inside the compiled step."""
+    sites = []
+    for node in gm.graph.nodes:
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        to_cpu = name == "to" and any(isinstance(arg, str) and arg.startswith("cpu")
+                                      for arg in (*node.args[1:], node.kwargs.get("device")))
+        if node.op in ("call_method", "call_function") and (name in ("cpu", "tolist", "numpy", "item") or to_cpu):
+            frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', node.meta.get("stack_trace") or "")
+            file, line, function = frames[-1] if frames else ("?", "?", "?")
+            sites.append(f"{name}: {shown_path(file)}:{line} ({function})")
+    return sites
 
 
 def generated_code_summary(modules) -> dict:
@@ -540,7 +571,7 @@ def role_of(name: str, param: torch.Tensor, l3_tables: set[int]) -> str:
         return "L3 tables"
     if "lm_head" in name:
         return "lm_head"
-    if "value_embed" in name:
+    if re.search(r"(^|\.)value_embed(ding)?s\.", name):  # the tables, not hfl3's value-embedding gates
         return "value embeddings"
     if "embed_tokens" in name or "wte" in name:
         return "embeddings"
@@ -714,9 +745,10 @@ def _event_key(record: dict) -> str:
     return f"{record.get('category', SYNC)} | {record['kind']} | {record['library']}: {record['site']}"
 
 
-def scaled_total(summary: dict, category: str, fits: dict, tokens: int, gpu_tokens: int, kinds=None) -> float:
+def scaled_total(summary: dict, category: str, fits: dict, tokens: int, gpu_tokens: int, hidden_size: int,
+                 kinds=None) -> float:
     """A phase summary's count of `category` (kinds `kinds`, default all) per step, each site scaled from `tokens`
-    to `gpu_tokens` by its fit (sites without a fit do not scale)."""
+    to `gpu_tokens` by its fit (sites without a fit do not scale) and by `cuda_chunk_ratio`."""
     total = 0.0
     for key, count in summary[category]["by_site"].items():
         kind = key.split(" | ", 1)[0]
@@ -724,8 +756,23 @@ def scaled_total(summary: dict, category: str, fits: dict, tokens: int, gpu_toke
             continue
         site = key.split(" via ", 1)[0]
         fit = fits.get(f"{category} | {site}")
-        total += count * (fit[0] + fit[1] * gpu_tokens) / (fit[0] + fit[1] * tokens) if fit else count
+        if fit:
+            count *= (fit[0] + fit[1] * gpu_tokens) / (fit[0] + fit[1] * tokens) * cuda_chunk_ratio(site, hidden_size)
+        total += count
     return total
+
+
+def cuda_chunk_ratio(site: str, hidden_size: int) -> float:
+    """For a site in a loop over chunks that are larger on CUDA, the CPU's chunk over CUDA's: the L3 lookup's
+    `pair_scores` gathers `default_chunk_size` pairs at a time (65,536 on CUDA, 8 MiB of rows on a CPU); else 1."""
+    if "(pair_scores)" not in site:
+        return 1.0
+    from types import SimpleNamespace
+
+    from hfl3.models.l3gpt.lookup import default_chunk_size
+
+    rows = lambda device: SimpleNamespace(device=torch.device(device), shape=(0, hidden_size))  # noqa: E731
+    return default_chunk_size(rows("cpu")) / default_chunk_size(rows("cuda"))
 
 
 # ---- the arms -----------------------------------------------------------------------------------------------------
@@ -917,15 +964,27 @@ GPU_PROFILE = {
 }
 # Known causes, by a pattern in a site: what the notes say where hfl3 counts more than nanochat
 CAUSES = (
-    ("num_items_in_batch", "transformers' Trainer copies the step's token count to the device (blocking)"),
-    ("_prepare_input", "the Trainer copies each batch from the host (blocking; nanochat's harness preloads its rows "
+    ("num_items_in_batch", "transformers' Trainer copies the step's token count to the device, blocking"),
+    ("_prepare_input", "the Trainer copies each batch from the host, blocking (nanochat's harness preloads its rows "
                        "on the device)"),
-    ("linear_cross_entropy", "the memory-light loss's chunks (CPU: chunked PyTorch, 256 rows; CUDA: Liger, 1024 rows, "
-                             "outside the graph)"),
-    ("clip_grad", "gradient clipping (max_grad_norm 1.0; nanochat does not clip)"),
-    ("_foreach_norm", "gradient clipping (max_grad_norm 1.0; nanochat does not clip)"),
-    ("lookup", "the L3 lookup (hfl3's custom ops, chunks of pairs)"),
-    ("muon", "MuonAdamW"),
+    ("linear_cross_entropy", "the chunked loss, a CPU path (CUDA runs Liger's: below)"),
+    ("guards.py", "NonFiniteGuard's flags, kept on the device (no sync)"),
+    ("(pair_scores)", "the L3 lookup's chunks of pairs (65,536 a chunk on CUDA: scaled so)"),
+    ("lookup", "the L3 lookup's custom ops (Python bodies, run eagerly in a compiled step too)"),
+    ("muon.py", "MuonAdamW"),
+)
+# What hfl3's step does on CUDA that a CPU cannot run (docs/design.md, decision 12), counted from the code: Liger's
+# from Liger-Kernel's ops/fused_linear_cross_entropy.py (the GPU run had liger-kernel 0.8.5), at 16 × 2048 × 32768
+CUDA_ONLY = (
+    "Liger's fused loss (hfl3's on CUDA; the chunked loss counted above is the CPU's): outside the compiled graph "
+    "(1 graph break); per step 2 host syncs (`target_mask.sum().item()`, `torch.equal(grad_output, "
+    "torch.tensor(1.0, device))`, which also copies its 1.0 to the device), 3 zeroings (`grad_input`, "
+    "`grad_weight`, `loss_1d`), 32 chunks of 1,024 rows: 32 `liger_cross_entropy_kernel`, 32 `grad_input[chunk] "
+    "= ...` slice copies (Memcpy DtoD) and their GEMMs",
+    "L3's pair count in a compiled graph: `.cpu()` (row 4's copies kept inside the graphs), a blocking device→host "
+    "copy on CUDA, one per forward; eager, it is copied without blocking (`pair_count_on_host`)",
+    "inside the compiled graphs: Triton's fusion and its zero-initialised buffers (Memset), cuBLAS and cuDNN/flash "
+    "SDPA kernels (C++ and CPU kernels here)",
 )
 
 
@@ -947,7 +1006,7 @@ def _count(result: dict, category: str, kinds=None, phase="compiled", gpu=None) 
     if not summary:
         return None
     if gpu is not None:
-        return scaled_total(summary, category, result["token_fits"], *gpu, kinds=kinds)
+        return scaled_total(summary, category, result["token_fits"], *gpu, result["hidden_size"], kinds=kinds)
     by_kind = summary[category]["by_kind"]
     return sum(v for k, v in by_kind.items() if kinds is None or k in kinds)
 
@@ -1010,6 +1069,10 @@ def table_rows(args: StepProxyArguments, results: list[dict]) -> list[dict]:
                                                    .values()) if r["graphs"] else None),
         "", "; ".join(f"{r['arm']}: {reason}" for r in results
                       for reason in (r["graphs"].get("after warm-up") or {}).get("graph_breaks", {})))
+    add("   device→host copies kept inside the graphs (a sync each on CUDA)", lambda r: _cell(sum(
+        (r["graphs"].get("after warm-up") or {}).get("copies_to_host", {}).values()) if r["graphs"] else None), "",
+        "; ".join(f"{r['arm']}: {site} ×{n}" for r in results
+                  for site, n in (r["graphs"].get("after warm-up") or {}).get("copies_to_host", {}).items()))
     add("   recompiles in the counted steps", lambda r: _cell(
         (graph_after(r, "unique_graphs") or 0) - (graph(r, "unique_graphs") or 0) if r["graphs"] else None))
     for key, label in (("graph_calls", "compiled graph calls per step"),
@@ -1026,7 +1089,6 @@ def table_rows(args: StepProxyArguments, results: list[dict]) -> list[dict]:
         _cell(((r["graphs"].get("after counted steps") or {}).get("generated_code") or {}).get("kernels_defined")),
         _cell(((r["graphs"].get("after counted steps") or {}).get("inductor") or {}).get("ir_nodes_pre_fusion"))))
         if r["graphs"] else "n/a")
-    add("   compile seconds (CPU, first compiled steps − counted)", lambda r: _cell(r.get("compile_seconds")))
     for part in ("parameters", "gradients", "optimizer_state"):
         add(f"5. {part.replace('_', ' ')}, GB", lambda r, p=part: _gb(r["bytes"][p]["total"]), "",
             "; ".join(f"{r['arm']}: " + ", ".join(f"{k} {_gb(v)}" for k, v in r["bytes"][part]["by_dtype"].items())
@@ -1065,6 +1127,7 @@ def print_table(args: StepProxyArguments, results: list[dict], rows: list[dict])
     for row in rows:
         cells = [row["row"], *[str(row[arm]) for arm in arms], row["gpu"]]
         print("  ".join(f"{c:<{w}}" for c, w in zip(cells, widths)) + (f"  {row['notes']}" if row["notes"] else ""))
+    print("\nCUDA-only, not counted here:\n" + "\n".join(f"- {line}" for line in CUDA_ONLY))
     for result in results:
         print(f"\n{result['arm']}: GPU-path changes {result['shims'] or 'none'}; compiled plain step by site:")
         for category in (SYNC, COPY, FILL):
@@ -1081,7 +1144,7 @@ def markdown_table(results: list[dict], rows: list[dict]) -> str:
     for row in rows:
         lines.append(f"| {row['row'].strip()} | " + " | ".join(str(row[arm]) for arm in arms)
                      + f" | {row['gpu']} | {row['notes']} |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", "CUDA-only, not counted here:", *(f"- {line}" for line in CUDA_ONLY)])
 
 
 def main(args: StepProxyArguments) -> dict:
