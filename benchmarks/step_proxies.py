@@ -193,6 +193,15 @@ class StepEventCounter(HostSyncCounter):
         self.events: list[dict] = []
         self.harness_files.add(__file__)
 
+    op_sources = False  # name the source of every device op (the eager step runs thousands: not there)
+
+    def source(self) -> str:
+        """`library: function` of the op being recorded, for torch's own functions their caller's."""
+        found = self.where()
+        library, site = (found["caller_library"], found["caller"]) if found["library"] == "torch" and found["caller"] \
+            else (found["library"], found["site"])
+        return f"{library}: {site.rsplit(' (', 1)[-1].rstrip(')')}"
+
     def record_event(self, category: str, kind: str, op: str, nbytes: int = 0) -> None:
         self.events.append(dict(step=self.step, category=category, kind=kind, op=op, bytes=nbytes, **self.where()))
 
@@ -224,7 +233,8 @@ class StepEventCounter(HostSyncCounter):
         device = on_device or in_graph
         name = str(packet).removeprefix("aten.")
         if on_device and not in_graph and f"aten::{name}" not in NO_KERNEL:
-            self.events.append(dict(step=self.step, category=OP, kind=name, op=name, bytes=0, library="", site=""))
+            source = self.source() if self.op_sources else ""
+            self.events.append(dict(step=self.step, category=OP, kind=name, op=name, bytes=0, source=source))
         if packet is aten.copy_:
             dst, src = args[0], args[1]
             to_device, from_device = self.is_device(dst) or in_graph, self.is_device(src) or in_graph
@@ -263,8 +273,9 @@ class StepEventCounter(HostSyncCounter):
         out = {"steps": steps, SYNC: _by(syncs, n)}
         for category in (COPY, FILL):
             out[category] = _by([e for e in events if e["category"] == category], n)
-        ops = Counter(e["kind"] for e in events if e["category"] == OP)
-        out[OP] = dict(total=sum(ops.values()) / n, by_kind={k: v / n for k, v in ops.most_common()})
+        ops = [e for e in events if e["category"] == OP]
+        out[OP] = dict(total=len(ops) / n, **{key: {k: v / n for k, v in Counter(e[field] for e in ops).most_common()}
+                                              for key, field in (("by_kind", "kind"), ("by_source", "source"))})
         out["deferred"] = _by([s for s in self.syncs if s["step"] in steps and s["kind"] == DEFERRED], n)
         return out
 
@@ -289,6 +300,7 @@ class RuntimeStepCounter(StepEventCounter):
     (`mark_device`: parameters, buffers, gradients, optimizer state, the batch) and by ops on them."""
 
     module_hooks = False
+    op_sources = True
 
     def __init__(self, nanochat_dir: str | None = None):
         super().__init__(nanochat_dir)
@@ -730,7 +742,7 @@ def token_fit(pass_at, tokens: int, nanochat_dir: str | None) -> dict:
         with counter:
             counter.begin_step(1)
             pass_at(factor, counter)
-        keys = Counter(_event_key(record) for record in [*counter.events, *counter.syncs])
+        keys = Counter(_event_key(record) for record in [*counter.events, *counter.syncs] if "site" in record)
         counts.append(keys)
     fits = {}
     for key in set(counts[0]) | set(counts[1]):
@@ -1081,7 +1093,7 @@ def table_rows(args: StepProxyArguments, results: list[dict]) -> list[dict]:
         add(f"   {label}", lambda r, k=key: _cell((r.get("profile") or {}).get(k)),
             GPU_PROFILE["kernels"] if key == "kernels" else "")
     add("   device ops outside the graphs per step", lambda r: _cell(r["compiled"][OP]["total"]), "",
-        "; ".join(f"{r['arm']}: " + ", ".join(f"{k} {v:g}" for k, v in list(r["compiled"][OP]["by_kind"].items())[:6])
+        "; ".join(f"{r['arm']}: " + ", ".join(f"{k} {v:g}" for k, v in list(r["compiled"][OP]["by_source"].items())[:5])
                   for r in results))
     add("   eager step: device ops (each a kernel or more)", lambda r: _cell((r.get("eager") or {}).get(OP, {})
                                                                           .get("total")))
