@@ -1,7 +1,7 @@
 """Proxies on the CPU that predict the GPU's pretraining step: hfl3's recipe step beside nanochat's own, at nanochat's
 d12 shape, per optimizer step — host syncs, host↔device copies, fills, the compiled graph (graphs, breaks, kernels),
-and the bytes of parameters, gradients, optimizer state and tensors saved for backward. Issue 45, item 2; the GPU
-profile these predict: `vs_nanochat.py --profile_dir` (dev/LOG.md, 2026-11-28).
+and the bytes of parameters, gradients, optimizer state and tensors saved for backward. The GPU profile these
+predict: `vs_nanochat.py --profile_dir` (dev/LOG.md, 2026-11-28).
 
 Arms (each in a fresh process; `host_syncs.py`'s builders):
 - `nanochat`: nanochat's GPT + MuonAdamW from a checkout (`--nanochat_dir`), built and stepped as
