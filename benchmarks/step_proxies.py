@@ -75,6 +75,7 @@ The counters, the graph's summaries, the byte counts and the scaling live in `be
 nanochat with `git clone https://github.com/karpathy/nanochat build/nanochat` (`build/` is git-ignored).
 """
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -283,14 +284,19 @@ class Phases:
 # ---- the arms -----------------------------------------------------------------------------------------------------
 
 
-def configure_inductor() -> None:
-    """Inductor's C++ kernels recorded by the profiler; one compile thread (a shared CPU box)."""
+@contextlib.contextmanager
+def arm_settings():
+    """Inductor's C++ kernels recorded by the profiler, one compile thread (a shared CPU box), no FX graph or autograd
+    cache (every graph is lowered here, so Inductor's metrics count it; the C++ stays cached); the compile stance put
+    back at the end (an arm runs in a fresh process, a test in its own)."""
     import torch._inductor.config as inductor_config
 
-    inductor_config.cpp.enable_kernel_profile = True
-    inductor_config.compile_threads = 1
-    inductor_config.fx_graph_cache = False  # every graph lowered here: Inductor's metrics count it (C++ stays cached)
-    torch._functorch.config.enable_autograd_cache = False
+    settings = {"cpp.enable_kernel_profile": True, "compile_threads": 1, "fx_graph_cache": False}
+    with inductor_config.patch(settings), torch._functorch.config.patch(enable_autograd_cache=False):
+        try:
+            yield
+        finally:
+            torch.compiler.set_stance("default")
 
 
 def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
@@ -316,23 +322,28 @@ def gpu_path(optimizer, compile_update: bool) -> list[str]:
         if group["kind"] == "muon" and group.get("orthogonalize_dtype") == "auto":
             group["orthogonalize_dtype"] = "bfloat16"
             changed.append(f"{group.get('name')}: orthogonalize_dtype=bfloat16")
-    lists = getattr(muon, "_AdamWLists", None)
-    if lists is not None and not getattr(lists, "_fused_on_cpu", False):
-        init = lists.__init__
+    build_layout = inner._build_layout
 
-        def fused_init(self, params, state):
-            init(self, params, state)
-            self.fused = all(param.is_floating_point() for param in params)
+    def build_fused_layout(group):  # this optimizer's AdamW lists fused, as on CUDA (torch has the CPU kernel)
+        layout = build_layout(group)
+        for part in layout.parts:
+            if isinstance(part, muon._AdamWLists):
+                part.fused = all(param.is_floating_point() for param in part.params)
+        return layout
 
-        lists.__init__, lists._fused_on_cpu = fused_init, True
-        changed.append("AdamW fused=True")
+    inner._build_layout = build_fused_layout
+    changed.append("AdamW fused=True")
     return changed
 
 
 def measure_hfl3(args: StepProxyArguments, arm: str) -> dict:
     """hfl3's recipe step (`host_syncs.build_hfl3_trainer`) through the phases, in this process (call it in a fresh
     one)."""
-    configure_inductor()
+    with arm_settings():
+        return _measure_hfl3(args, arm)
+
+
+def _measure_hfl3(args: StepProxyArguments, arm: str) -> dict:
     optim, l3 = HFL3_ARMS[arm]
     build_args = replace(args, warmup_steps=args.total_steps - 1, steps=1)  # the recipe's --max_steps: every step
     with tempfile.TemporaryDirectory() as scratch:
@@ -399,9 +410,13 @@ def measure_hfl3(args: StepProxyArguments, arm: str) -> dict:
 
 def measure_nanochat(args: StepProxyArguments, vocab_size: int) -> dict:
     """nanochat's step (`vs_nanochat.build_nanochat`, `nanochat_step`) through the phases, in this process."""
+    with arm_settings():
+        return _measure_nanochat(args, vocab_size)
+
+
+def _measure_nanochat(args: StepProxyArguments, vocab_size: int) -> dict:
     import vs_nanochat
 
-    configure_inductor()
     nanochat_args = vs_nanochat.VsNanochatArguments(
         nanochat_dir=args.nanochat_dir, arms=["nanochat"], window_pattern=args.window_pattern, compile=args.compile,
         bf16=args.bf16, steps=1, warmup_steps=1, depth=args.depth, seq_len=args.seq_len, batch_size=args.batch_size,

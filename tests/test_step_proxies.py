@@ -80,7 +80,6 @@ def test_the_compiled_step_counter_sees_what_the_generated_code_dispatches(step_
     from torch._dynamo.utils import counters
     from torch.profiler import profile
 
-    step_proxies.configure_inductor()
     weight = torch.randn(64, 64)
 
     @torch.compile
@@ -88,17 +87,18 @@ def test_the_compiled_step_counter_sees_what_the_generated_code_dispatches(step_
         return torch.relu(x @ weight).sum()
 
     x = torch.randn(16, 64)
-    forward(x)  # compiled here: one matmul (an extern kernel) and one fused C++ kernel
-    graphs = counters["stats"]["unique_graphs"]
-    counter = step_proxies.RuntimeStepCounter()
-    with profile() as profiler, counter:
-        counter.begin_step(1)
-        counter.mark_device(x, weight)
-        loss = forward(x)
-        counter.mark_device(loss)  # a graph's output: made below the dispatch mode
-        torch.zeros_like(x)
-        loss.item()
-    assert counters["stats"]["unique_graphs"] == graphs  # entering the counter did not recompile
+    with step_proxies.arm_settings():
+        forward(x)  # compiled here: one matmul (an extern kernel) and one fused C++ kernel
+        graphs = counters["stats"]["unique_graphs"]
+        counter = step_proxies.RuntimeStepCounter()
+        with profile() as profiler, counter:
+            counter.begin_step(1)
+            counter.mark_device(x, weight)
+            loss = forward(x)
+            counter.mark_device(loss)  # a graph's output: made below the dispatch mode
+            torch.zeros_like(x)
+            loss.item()
+        assert counters["stats"]["unique_graphs"] == graphs  # entering the counter did not recompile
     counts = counter.summarize_events([1])
     assert counts["sync"]["by_kind"] == {"item": 1.0}
     assert counts["fill"]["by_kind"] == {step_proxies.ZEROING: 1.0}
