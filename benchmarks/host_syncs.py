@@ -53,6 +53,7 @@ Arms, each in a fresh process:
 Get nanochat with `git clone https://github.com/karpathy/nanochat build/nanochat` (`build/` is git-ignored).
 """
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -109,6 +110,8 @@ class HostSyncArguments:
     attend_across_documents: bool = field(default=False, metadata={
         "help": "hfl3: packed documents attend to each other, as nanochat (the recipe's default: block-causal)"})
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast (hfl3), bf16 compute dtype (nanochat)"})
+    compile: bool = field(default=False, metadata={"help": "hfl3: the recipe's --torch_compile (the GPU run's "
+                                                   "setting; the syncs are counted eagerly either way)"})
     dataset: str = field(default="stdlib", metadata={"help": "hfl3's training text (the recipe's --dataset)"})
     evaluate: bool = field(default=True, metadata={"help": "evaluate (bits per byte, greedy samples) at the start "
                                                     "and the last step, as the recipe does"})
@@ -166,13 +169,17 @@ class HostSyncCounter:
         self.step = 0
         self.step_kinds: dict[int, str] = {}
         self.forward_depth = 0  # modules whose forward is running
-        self._modes = (_FunctionRecorder(self), _DispatchRecorder(self))
+        self.harness_files: set[str] = set()  # more files whose frames are the interception's (a subclass's module)
+        self._modes = self.recorders()
         self._hooks = []
+
+    module_hooks = True  # global module hooks mark parameters, buffers and inputs (a subclass may go without)
 
     def __enter__(self):
         module = torch.nn.modules.module
         self._hooks = [module.register_module_forward_pre_hook(self._enter_forward),
-                       module.register_module_forward_hook(self._leave_forward, always_call=True)]
+                       module.register_module_forward_hook(self._leave_forward, always_call=True)
+                       ] if self.module_hooks else []
         for mode in self._modes:
             mode.__enter__()
         return self
@@ -217,19 +224,48 @@ class HostSyncCounter:
         model.register_forward_pre_hook(lambda module, args, kwargs: self.mark_device(kwargs), with_kwargs=True)
 
     def record(self, kind: str, op: str) -> None:
+        self.syncs.append(dict(step=self.step, kind=kind, op=op, **self.where()))
+
+    def where(self) -> dict:
+        """Where the op being recorded was called: `site` and `library` (the innermost frame outside this module and
+        torch's call plumbing), `caller` and `caller_library` (the innermost frame outside torch)."""
         frame = sys._getframe(1)
         while frame is not None and (frame.f_code.co_filename == __file__
+                                     or frame.f_code.co_filename in self.harness_files
                                      or any(part in frame.f_code.co_filename for part in PLUMBING)):
             frame = frame.f_back
         caller = frame
-        while caller is not None and library_of(caller.f_code.co_filename, self.nanochat_dir) == "torch":
+        while caller is not None and (self.library(caller.f_code.co_filename) == "torch"
+                                      or caller.f_code.co_filename == __file__
+                                      or caller.f_code.co_filename in self.harness_files):
             caller = caller.f_back
-        site, library = (frame_name(frame), library_of(frame.f_code.co_filename, self.nanochat_dir)) if frame \
-            else ("C++", "torch")
-        self.syncs.append(dict(step=self.step, kind=kind, op=op, site=site, library=library,
-                               caller=frame_name(caller) if caller else None,
-                               caller_library=library_of(caller.f_code.co_filename, self.nanochat_dir)
-                               if caller else None))
+        site, library = (frame_name(frame), self.library(frame.f_code.co_filename)) if frame else ("C++", "torch")
+        return dict(site=site, library=library, caller=frame_name(caller) if caller else None,
+                    caller_library=self.library(caller.f_code.co_filename) if caller else None)
+
+    def library(self, filename: str) -> str:
+        """`library_of(filename)` for this counter's nanochat checkout."""
+        return library_of(filename, self.nanochat_dir)
+
+    def observe_op(self, func, args, kwargs, on_device: bool) -> None:
+        """Called for every aten op (before it runs) with whether an input is a device tensor; a subclass records
+        more than syncs here (`benchmarks/step_proxies.py`: copies and fills)."""
+
+    def treat_as_device(self, args, kwargs) -> bool:
+        """Whether an op's inputs are device tensors whatever was marked (a subclass: inside compiled code)."""
+        return False
+
+    def observe_call(self, name: str, args, kwargs) -> None:
+        """Called for every `torch` function and `Tensor` method call that the function mode sees (before it
+        runs); see `observe_op`."""
+
+    def recorders(self) -> tuple:
+        """The modes that record: a function mode and a dispatch mode."""
+        return _FunctionRecorder(self), _DispatchRecorder(self)
+
+    def nested_recorders(self) -> tuple:
+        """The modes that record inside a custom op's Python body (run below the dispatch mode)."""
+        return self.recorders()
 
 
 class _FunctionRecorder(TorchFunctionMode):
@@ -243,6 +279,7 @@ class _FunctionRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        self.counter.observe_call(name, args, kwargs)
         to_host = name in TO_HOST_METHODS or (name == "to" and _targets_host(args[1:], kwargs))
         if not (to_host and args and self.counter.on_device(args[0])):
             out = func(*args, **kwargs)
@@ -276,7 +313,7 @@ class _DispatchRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         counter, packet = self.counter, func.overloadpacket
-        on_device = counter.on_device(args, kwargs)
+        on_device = counter.treat_as_device(args, kwargs) or counter.on_device(args, kwargs)  # (marks, first)
         kind = SYNC_OPS.get(packet) if on_device else None
         if not on_device and packet in SYNC_OPS:
             kind = HOST_READ
@@ -291,12 +328,19 @@ class _DispatchRecorder(TorchDispatchMode):
             on_device = False  # the destination stays on the host
         if kind:
             counter.record(kind, str(packet).removeprefix("aten."))
+        counter.observe_op(func, args, kwargs, on_device)
         custom_op = _maybe_get_opdef(func)
         if custom_op is None:
             out = func(*args, **kwargs)
         else:  # a torch.library custom op runs its Python body below this mode: run it here, recorded
-            with _FunctionRecorder(counter), _DispatchRecorder(counter):
-                out = custom_op._init_fn(*args, **kwargs)
+            with contextlib.ExitStack() as stack:
+                for mode in counter.nested_recorders():
+                    stack.enter_context(mode)
+                counter.forward_depth += on_device  # model code: a tensor it makes with `device=` is on the device
+                try:
+                    out = custom_op._init_fn(*args, **kwargs)
+                finally:
+                    counter.forward_depth -= on_device
         if on_device:
             counter.mark_device(out)
         return out
@@ -344,7 +388,7 @@ def build_hfl3_trainer(args: HostSyncArguments, optim: str, l3: bool, output_dir
            "--eval_steps", total, "--warmup_steps", "1", "--bf16", str(args.bf16),
            "--use_cpu", str(not torch.cuda.is_available()), "--report_to", "none", "--disable_tqdm", "true",
            "--dataloader_num_workers", "0", "--attend_across_documents", str(args.attend_across_documents),
-           "--eval_strategy", "steps" if args.evaluate else "no"]
+           "--eval_strategy", "steps" if args.evaluate else "no", "--torch_compile", str(args.compile)]
     cli += ["--l3_after_layers", str(max(0, args.depth // 2 - 1))] if l3 else []
     script_args, model_args, training_args, setup = recipe.make_parser().parse_args_and_config(cli)
     return build_pretraining(script_args, training_args, model_args, setup).trainer

@@ -315,9 +315,13 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
                 table_parameters=tables, precision=precision if recipe else "bf16" if args.bf16 else "fp32")
 
 
-def run_nanochat(args: VsNanochatArguments) -> dict:
-    """nanochat's GPT + MuonAdamW, the loop of its scripts/base_train.py (no gradient accumulation). Without
-    `args.compile` nothing is compiled, its optimizer step included (it compiles that itself: minutes on a CPU)."""
+def build_nanochat(args: VsNanochatArguments, rows_per_step: int) -> dict:
+    """nanochat's GPT + MuonAdamW as its scripts/base_train.py builds them (model on the meta device,
+    `init_weights()`, `setup_optimizer()`, `torch.compile(model, dynamic=False)` with `args.compile`), and
+    `rows_per_step` steps of rows on the device. Without `args.compile` nothing is compiled, its optimizer step
+    included (it compiles that itself: minutes on a CPU). Returns `model` (compiled or not), `module` (the GPT),
+    `optimizer`, `rows` (`(rows_per_step * batch_size, seq_len + 1)` token ids), `flops_per_token`, `parameters`,
+    `precision` and `attention`."""
     if not args.compile:
         torch.compiler.set_stance("force_eager")
     sys.path.insert(0, str(Path(args.nanochat_dir).resolve()))
@@ -330,32 +334,46 @@ def run_nanochat(args: VsNanochatArguments) -> dict:
                        n_head=args.hidden_size // args.head_dim, n_kv_head=args.hidden_size // args.head_dim,
                        n_embd=args.hidden_size, window_pattern=args.window_pattern)
     with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device=device)
-    model.init_weights()
-    fpt = model.estimate_flops()
-    parameters = sum(p.numel() for p in model.parameters())
-    optimizer = model.setup_optimizer()
-    if args.compile:
-        model = torch.compile(model, dynamic=False)
+        module = GPT(config)
+    module.to_empty(device=device)
+    module.init_weights()
+    optimizer = module.setup_optimizer()
+    model = torch.compile(module, dynamic=False) if args.compile else module
+    rows = torch.from_numpy(zipf_rows(args, rows_per_step * args.batch_size, args.seq_len + 1)).to(device)
+    return dict(model=model, module=module, optimizer=optimizer, rows=rows, flops_per_token=module.estimate_flops(),
+                parameters=sum(p.numel() for p in module.parameters()),
+                precision=str(COMPUTE_DTYPE).removeprefix("torch."),
+                attention="fa3" if flash_attention.USE_FA3 else "sdpa (nanochat's fallback)")
+
+
+def nanochat_step(built: dict, step: int, batch_size: int) -> torch.Tensor:
+    """Optimizer step `step` (from 1) of base_train's loop (no gradient accumulation) on `build_nanochat`'s model and
+    rows; returns the loss."""
+    model, optimizer = built["model"], built["optimizer"]
+    batch = built["rows"][(step - 1) * batch_size : step * batch_size]
+    loss = model(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
+    loss.backward()
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    return loss
+
+
+def run_nanochat(args: VsNanochatArguments) -> dict:
+    """nanochat's GPT + MuonAdamW (`build_nanochat`), the loop of its scripts/base_train.py (`nanochat_step`)."""
     total = args.warmup_steps + args.steps
     profiled = args.profile_steps
-    rows = torch.from_numpy(zipf_rows(args, (total + profiled) * args.batch_size, args.seq_len + 1)).to(device)
+    built = build_nanochat(args, total + profiled)
     window = Window(args.warmup_steps, total)
     profiler = StepProfiler(args.profile_dir, "nanochat", total, total + profiled)
     window.begin()
-    for step in range(total + profiled):
-        batch = rows[step * args.batch_size : (step + 1) * args.batch_size]
-        loss = model(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
-        loss.backward()
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-        window.tick(step + 1)
-        profiler.tick(step + 1)
-    return dict(flops_per_token=fpt, seconds=window.seconds, first_step_seconds=window.first_step_seconds,
-                host_cpu_seconds=window.host_cpu_seconds, profile=profiler.summary,
-                dense_parameters=parameters, table_parameters=0, precision=str(COMPUTE_DTYPE).removeprefix("torch."),
-                attention="fa3" if flash_attention.USE_FA3 else "sdpa (nanochat's fallback)")
+    for step in range(1, total + profiled + 1):
+        nanochat_step(built, step, args.batch_size)
+        window.tick(step)
+        profiler.tick(step)
+    return dict(flops_per_token=built["flops_per_token"], seconds=window.seconds,
+                first_step_seconds=window.first_step_seconds, host_cpu_seconds=window.host_cpu_seconds,
+                profile=profiler.summary, dense_parameters=built["parameters"], table_parameters=0,
+                precision=built["precision"], attention=built["attention"])
 
 
 def run_arm(args: VsNanochatArguments, arm: str) -> dict:
