@@ -5,6 +5,8 @@ expression in `--lora_target_modules` is TRL's and PEFT's."""
 
 import dataclasses
 import json
+import math
+import re
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -265,3 +267,41 @@ def test_padding_free_without_packing_trains_as_the_padded_rows(sft_recipe, repo
         assert trainer.data_collator.padding_free == (padding_free == "true")  # the guard: the flag reached TRL
         losses[padding_free] = trainer.train().training_loss
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-5)
+
+
+# ---- every optimizer setting is range-checked while the arguments are parsed ---------------------------------------
+
+OPTIMIZER_SETTING = re.compile(r"(^|_)lr($|_)|learning_rate|weight_decay|beta\d|momentum|epsilon|_frac$|_ratio$")
+"""Field names of a learning rate, weight decay, momentum coefficient, epsilon or fraction of an optimizer group."""
+NOT_OPTIMIZER_SETTINGS = {  # matched by the pattern, but no number of an optimizer group
+    "lr_scheduler_type": "the schedule's name",
+    "lr_scheduler_kwargs": "the schedule's keyword arguments (a dict)",
+    "target_param_data_ratio": "the compute-optimal dial's training tokens per parameter, not an optimizer group's",
+    "aspect_ratio": "the model's width per layer (nanochat's dial), not an optimizer group's",
+}
+
+
+def out_of_range(bounds) -> list[float]:
+    """Values just outside `bounds` on each side, and a NaN."""
+    below = float(bounds.low if not bounds.low_closed else bounds.low - 0.01)
+    above = [float(bounds.high if not bounds.high_closed else bounds.high + 0.01)] if math.isfinite(bounds.high) \
+        else []
+    return [below, *above, math.nan]
+
+
+@pytest.mark.parametrize("recipe", flags.RECIPES)
+def test_every_optimizer_setting_is_range_checked_in_one_line_before_any_work(recipes, repo_root, inputs, tmp_path,
+                                                                             capsys, monkeypatch, recipe):
+    monkeypatch.chdir(repo_root)
+    classes = recipes[recipe].make_parser().dataclass_types
+    settings = sorted({field.name for cls in classes for field in dataclasses.fields(cls)
+                       if field.init and OPTIMIZER_SETTING.search(field.name)} - set(NOT_OPTIMIZER_SETTINGS))
+    assert "matrix_lr" in settings and "adam_beta2" in settings  # the guard: the pattern finds them
+    assert sorted(set(settings) - set(flags.OPTIMIZER_BOUNDS)) == [], "an optimizer setting without bounds"
+    base = recipe_arguments(recipe, repo_root, inputs, tmp_path / "out")
+    for name in settings:
+        bounds = flags.OPTIMIZER_BOUNDS[name]
+        for value in out_of_range(bounds):
+            line = parse_error(recipes[recipe], [*base, f"--{name}", str(value)], capsys)
+            assert line.startswith(f"{name}={value}: expected {bounds.expected}"), line
+        assert not (tmp_path / "out").exists()

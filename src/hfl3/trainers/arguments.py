@@ -53,7 +53,7 @@ from hfl3.data.sources import LOCAL_SUFFIXES, file_format
 from hfl3.distributed import check_same_on_all_ranks, on_all_ranks, rank
 from hfl3.evaluate import check_core_bundle
 from hfl3.provenance.hub import is_hub_id
-from hfl3.trainers.flags import check_model_flags, refuse_flags
+from hfl3.trainers.flags import OPTIMIZER_BOUNDS, check_model_flags, refuse_flags
 from hfl3.trainers.outputs import OutputFolder, base_model_hub_id, prepare_output_dir, safetensors_problem
 from hfl3.trainers.base_model import check_quantization_arguments
 from hfl3.trainers.sft_inheritance import decide_from_base
@@ -204,16 +204,19 @@ def check_training_arguments(args) -> None:
     argument error).
 
     Raises:
-        ValueError: `learning_rate <= 0` (zero trains nothing, a negative rate climbs the loss); `max_steps` 0 or
-            below -1 (-1, the default, trains `num_train_epochs` epochs); `num_train_epochs <= 0` with
-            `max_steps = -1`.
+        ValueError: a value of `OPTIMIZER_BOUNDS` outside its range (`learning_rate <= 0`, a negative `--matrix_lr`,
+            `--adam_beta2 1`, ...); `max_steps` 0 or below -1 (-1, the default, trains `num_train_epochs` epochs, or in
+            pretraining sizes the run by the compute-optimal dial: `max_steps_meaning`); `num_train_epochs <= 0`
+            with `max_steps = -1`.
     """
-    if not args.learning_rate > 0:
-        raise ValueError(f"learning_rate={args.learning_rate}: expected a positive learning rate (0 trains nothing, "
-                         "a negative rate climbs the loss); e.g. --learning_rate 3e-4")
+    for name, bounds in OPTIMIZER_BOUNDS.items():
+        value = getattr(args, name, None)
+        if value is not None and not bounds.holds(value):
+            raise ValueError(f"{name}={value}: expected {bounds.expected} ({bounds.why}); e.g. --{name} "
+                             f"{bounds.example}")
     if args.max_steps == 0 or args.max_steps < -1:
         raise ValueError(f"max_steps={args.max_steps}: expected a positive number of optimizer steps, or -1 (the "
-                         "default) to train --num_train_epochs epochs")
+                         f"default) {getattr(args, 'max_steps_meaning', 'to train --num_train_epochs epochs')}")
     if args.max_steps == -1 and not args.num_train_epochs > 0:
         raise ValueError(f"num_train_epochs={args.num_train_epochs} with max_steps=-1 trains nothing: pass a "
                          "positive --num_train_epochs or --max_steps")

@@ -11,11 +11,14 @@ other than its `Refusal.accepted` ones (what the recipe does anyway). An honoure
 setting is in `NEEDS`: given without that setting, it is refused too. `refuse_flags` runs both checks, first among
 a recipe's checks (`hfl3.trainers.arguments.check_pretrain_inputs`, `check_sft_inputs`); `check_model_flags` checks
 the SFT flags that act on some models only against the model's config, with the model folder's checks.
+`OPTIMIZER_BOUNDS`: the range of every learning rate, weight decay, momentum, epsilon and fraction of an optimizer
+group, refused outside it by each argument class's `__post_init__` (`check_training_arguments`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
@@ -44,6 +47,64 @@ class Needs:
     setting: str
     holds: Callable[[Mapping], bool]
     fix: str | None = None
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values an optimizer setting may take (`OPTIMIZER_BOUNDS`): above `low` (or equal to it with `low_closed`)
+    and below `high` (or equal with `high_closed`); NaN never. A field whose default is None may be None.
+
+    Attributes:
+        expected: what the one-line refusal says is expected (`name=value: expected EXPECTED (WHY); e.g. --name
+            EXAMPLE`).
+        why: what a value outside does.
+        example: a value in the range (the usual one).
+    """
+
+    low: float
+    high: float = math.inf
+    low_closed: bool = False
+    high_closed: bool = False
+    expected: str = ""
+    why: str = ""
+    example: str = ""
+
+    def holds(self, value: float) -> bool:
+        above = value >= self.low if self.low_closed else value > self.low
+        below = value <= self.high if self.high_closed else value < self.high
+        return above and below  # False for NaN
+
+
+_LR = "0 trains nothing, a negative rate climbs the loss"
+_MOMENTUM = "torch's AdamW refuses others: 1 or more never forgets a gradient, and the moments grow without bound"
+
+
+def _group_lr(example: float) -> Bounds:
+    return Bounds(0, expected="a positive learning rate", why=_LR, example=f"{example:g}")
+
+
+OPTIMIZER_BOUNDS: dict[str, Bounds] = {
+    "learning_rate": Bounds(0, expected="a positive learning rate", why=_LR, example="3e-4"),
+    **{item.name: _group_lr(item.default if item.default is not None else GroupLearningRates.embedding_lr)
+       for item in fields(GroupLearningRates)},
+    "weight_decay": Bounds(0, low_closed=True, expected="a weight decay of 0 or more", why="a negative decay grows "
+                           "the weights", example="0.1"),
+    "adam_beta1": Bounds(0, 1, low_closed=True, expected="a momentum coefficient in [0, 1)", why=_MOMENTUM,
+                         example="0.9"),
+    "adam_beta2": Bounds(0, 1, low_closed=True, expected="a momentum coefficient in [0, 1)", why=_MOMENTUM,
+                         example="0.95"),
+    "adam_epsilon": Bounds(0, low_closed=True, expected="an epsilon of 0 or more", why="it keeps AdamW's division "
+                           "by the second moment away from 0; torch refuses a negative one", example="1e-8"),
+    "warmdown_ratio": Bounds(0, 1, True, True, expected="a fraction of the steps in [0, 1]", why="the share of "
+                             "the steps in the final linear warmdown", example="0.2"),
+    "final_lr_frac": Bounds(0, 1, True, True, expected="a fraction of the group LRs in [0, 1]", why="the LR at the "
+                            "end of the warmdown; below 0 it climbs the loss", example="0"),
+    "init_lr_frac": Bounds(0, 1, high_closed=True, expected="a fraction of the group LRs in (0, 1]", why="the LRs "
+                           "start at this fraction of the group LRs; 0 trains nothing", example="0.8"),
+}
+"""Every learning rate, weight decay, momentum coefficient, epsilon and fraction of an optimizer group that a recipe
+takes, with its range (`hfl3.trainers.arguments.check_training_arguments` refuses a value outside; `tests/test_flags.py` finds every such
+field of the recipes' argument classes in this table). A Muon group LR of 0 is refused like `--learning_rate 0`."""
 
 
 def _accelerator() -> bool:

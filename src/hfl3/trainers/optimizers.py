@@ -48,10 +48,9 @@ class MuonTrainingArguments(GroupLearningRates):
         """`optim="muon"` → `use_muon=True`, `optim="adamw_torch"` (module docstring).
 
         Raises:
-            ValueError: `use_muon` with another `optim`; `warmdown_ratio` outside [0, 1].
+            ValueError: `use_muon` with another `optim` (the ranges of the Muon fields:
+                `hfl3.trainers.arguments.check_training_arguments`).
         """
-        if not 0 <= self.warmdown_ratio <= 1:
-            raise ValueError(f"warmdown_ratio={self.warmdown_ratio} must be in [0, 1]")
         if self.optim == MUON:
             self.use_muon, self.optim = True, "adamw_torch"
         elif self.use_muon and self.optim != "adamw_torch":
