@@ -315,6 +315,7 @@ _PRETRAIN_NOT_APPLICABLE = {
     "remove_unused_columns": "the rows hold input_ids only, which the model takes",
     "length_column_name": "no sampler: the stream packs rows of one length",
     "batch_lr_scale": "not a flag (init=False): set by the compute-optimal plan",
+    "group_lrs_from_learning_rate": "not a flag (init=False): SFT's (decide_from_base)",
 }
 
 # ---- recipes/sft_lora.py ---------------------------------------------------------------------------------------------
@@ -386,7 +387,8 @@ _SFT_HONOURED = {
     "init_lr_frac": "OptimizerMixin.create_optimizer (Muon)",
     "load_optimizer": "decide_from_base: a warm start",
     "use_muon": "OptimizerMixin.create_optimizer",
-    **{name: "MuonAdamW's group LR, or the base run's (decide_from_base)" for name in GROUP_LEARNING_RATES},
+    **{name: "MuonAdamW's group LR, or the base run's, or derived from --learning_rate (decide_from_base)"
+       for name in GROUP_LEARNING_RATES},
     "warmdown_ratio": "OptimizerMixin.create_scheduler",
     "final_lr_frac": "OptimizerMixin.create_scheduler",
     "overwrite_output_dir": "prepare_output_dir",
@@ -413,6 +415,8 @@ _SFT_NOT_APPLICABLE = {
     "batch_eval_metrics": "no compute_metrics: eval_loss is summed per batch already",
     "remove_unused_columns": "the rows hold input_ids and labels only, both used",
     "batch_lr_scale": "not a flag (init=False): inherited from a Muon base run (decide_from_base)",
+    "group_lrs_from_learning_rate": "not a flag (init=False): set when the group LRs are derived from "
+                                    "--learning_rate (decide_from_base)",
 }
 
 

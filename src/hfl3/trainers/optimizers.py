@@ -32,8 +32,9 @@ MUON = "muon"
 class MuonTrainingArguments(GroupLearningRates):
     """The optimizer fields a recipe's `TrainingArguments` adds: `use_muon` (`--optim muon`), the Muon group LRs
     (`GroupLearningRates`: `matrix_lr`, `embedding_lr`, ... declared there once, with their nanochat sources), the
-    warmdown of the `warmup_stable_decay` schedule, and `batch_lr_scale` (set by the compute-optimal plan, or
-    inherited by SFT from its base). Call `take_muon_out_of_optim` first in `__post_init__`."""
+    warmdown of the `warmup_stable_decay` schedule, `batch_lr_scale` (set by the compute-optimal plan, or inherited by
+    SFT from its base) and `group_lrs_from_learning_rate` (set by SFT when it derives the group LRs from
+    `learning_rate`, `hfl3.trainers.sft_inheritance`). Call `take_muon_out_of_optim` first in `__post_init__`."""
 
     use_muon: bool = field(default=False, metadata={"help": "train with hfl3's MuonAdamW (Muon for the hidden "
                                                     "matrices, AdamW for the rest; group LRs *_lr) instead of the "
@@ -43,6 +44,9 @@ class MuonTrainingArguments(GroupLearningRates):
     final_lr_frac: float = field(default=0.0, metadata={"help": "LR at the end of the warmdown, as a fraction"})
     batch_lr_scale: float = field(default=1.0, init=False, metadata={
         "help": "√(total_batch_size / 2^19), set by the compute-optimal plan; multiplies every group's LR"})
+    group_lrs_from_learning_rate: bool = field(default=False, init=False, metadata={
+        "help": "the group LRs were derived from learning_rate (SFT on a base Muon did not pretrain: "
+                "GroupLearningRates.for_fine_tuning)"})
 
     def take_muon_out_of_optim(self) -> None:
         """`optim="muon"` → `use_muon=True`, `optim="adamw_torch"` (module docstring).
