@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -53,6 +54,7 @@ from hfl3.data.sources import LOCAL_SUFFIXES, file_format
 from hfl3.distributed import check_same_on_all_ranks, on_all_ranks, rank
 from hfl3.evaluate import check_core_bundle
 from hfl3.provenance.hub import is_hub_id
+from hfl3.provenance.portable import REDACTED, is_secret, redact
 from hfl3.trainers.flags import OPTIMIZER_BOUNDS, check_model_flags, refuse_flags
 from hfl3.trainers.outputs import OutputFolder, base_model_hub_id, prepare_output_dir, safetensors_problem
 from hfl3.trainers.base_model import check_quantization_arguments
@@ -137,24 +139,51 @@ class RecipeParser(TrlParser):
         """The fields `args` set explicitly: keys of the `--config` YAML file and options on the command line
         (`--name`, `--name=value`, `--no_name`), by field name. A check tells a value the user chose from a default
         with it (a value equal to the default, given, counts as given)."""
-        names = set()
+        return frozenset(self._given_values(args))
+
+    def secret_values(self, args: Sequence[str]) -> list[str]:
+        """The values `args` give to fields that hold credentials (`is_secret`: `--hub_token`), on the command line
+        or in the `--config` file, for `redact`."""
+        return [str(value) for name, values in self._given_values(args).items() if is_secret(name)
+                for value in values if value not in (None, "")]
+
+    def _given_values(self, args: Sequence[str]) -> dict[str, list]:
+        """`{field name: [the values args give it]}` (an option without its value: none listed)."""
+        given: dict[str, list] = {}
         if "--config" in args and args.index("--config") + 1 < len(args):
             with contextlib.suppress(OSError, yaml.YAMLError):  # the parser reports an unreadable file itself
                 config = yaml.safe_load(Path(args[args.index("--config") + 1]).read_text())
-                names |= set(config) - {"env"} if isinstance(config, dict) else set()
-        for token in args:
-            action = self._option_string_actions.get(token.split("=", 1)[0]) if token.startswith("--") else None
+                for name, value in (config.items() if isinstance(config, dict) else ()):
+                    if name != "env":
+                        given.setdefault(name, []).append(value)
+        for index, token in enumerate(args):
+            option, equals, value = token.partition("=") if token.startswith("--") else (token, "", "")
+            action = self._option_string_actions.get(option) if token.startswith("--") else None
             if action is not None and action.dest not in ("help", "config"):
-                names.add(action.dest)
-        return frozenset(names)
+                following = args[index + 1] if not equals and index + 1 < len(args) else None
+                shown = value if equals else following if following and not following.startswith("--") else None
+                given.setdefault(action.dest, []).extend([shown] if shown is not None else [])
+        return given
 
 
 def launch_arguments(parsed: Sequence) -> dict[str, str]:
     """The parsed arguments (dataclass fields given at construction) as `{name: JSON text}`, without
-    `PER_MACHINE_ARGUMENTS`: what every machine of a launch must agree on."""
-    return {field.name: json.dumps(getattr(values, field.name), default=str, sort_keys=True)
-            for values in parsed for field in dataclasses.fields(values)
-            if field.init and field.name not in PER_MACHINE_ARGUMENTS}
+    `PER_MACHINE_ARGUMENTS`: what every machine of a launch must agree on. A credential (`is_secret`) is compared by
+    its sha256 (`<redacted sha256:...>`), so that a message naming a difference never shows it."""
+    def shown(name: str, value) -> str:
+        text = json.dumps(value, default=str, sort_keys=True)
+        if not is_secret(name) or value is None:
+            return text
+        return f"{REDACTED} (sha256 {hashlib.sha256(text.encode()).hexdigest()[:12]})"
+
+    return {field.name: shown(field.name, getattr(values, field.name)) for values in parsed
+            for field in dataclasses.fields(values) if field.init and field.name not in PER_MACHINE_ARGUMENTS}
+
+
+def parsed_secrets(*parsed) -> list[str]:
+    """The values of the parsed arguments' fields that hold credentials (`is_secret`), for `redact`."""
+    return [str(getattr(values, field.name)) for values in parsed for field in dataclasses.fields(values)
+            if is_secret(field.name) and isinstance(getattr(values, field.name), str)]
 
 
 def add_config_argument(parser):
@@ -183,7 +212,8 @@ def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
 
     Bad arguments: those argparse rejects (an invalid value, a missing one), flags no argument class declares, a
     `--config` file that cannot be read or is not a YAML mapping, and values an argument class rejects in its
-    `__post_init__` (`ValueError`/`TypeError`, e.g. `--eval_strategy bogus`).
+    `__post_init__` (`ValueError`/`TypeError`, e.g. `--eval_strategy bogus`). The message never shows a credential:
+    the values given to fields that hold one (`--hub_token`) and any `hf_...` token are `<redacted>`.
 
     Args:
         parser: the recipe's `TrlParser`, through `add_config_argument`.
@@ -192,10 +222,11 @@ def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
     Returns:
         The parsed dataclasses and the `RunSetup`, as `RecipeParser.parse_args_and_config` returns them.
     """
+    args = list(args) if args is not None else sys.argv[1:]
     try:
         return parser.parse_args_and_config(args)
     except (ValueError, TypeError, OSError, yaml.YAMLError) as error:
-        parser.error(str(error))
+        parser.error(redact(str(error), parser.secret_values(args)))
 
 
 def check_training_arguments(args) -> None:

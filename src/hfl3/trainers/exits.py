@@ -26,7 +26,8 @@ from pathlib import Path
 
 from hfl3.distributed import end_distributed_run, lost_peer_message
 from hfl3.errors import InputError
-from hfl3.trainers.arguments import parse_recipe_args
+from hfl3.provenance.portable import redact
+from hfl3.trainers.arguments import parse_recipe_args, parsed_secrets
 from hfl3.trainers.guards import NonFiniteTrainingError
 from hfl3.trainers.launch import LOG_FORMAT, LaunchError
 from hfl3.trainers.outputs import STAGING, OutputFolder, latest_checkpoint
@@ -38,14 +39,16 @@ INPUT_ERRORS = (InputError, LaunchError)
 
 
 class RecipeEnding:
-    """What `recipe_exits` needs to say how a run ended: its output folder, once the arguments are parsed."""
+    """What `recipe_exits` needs to say how a run ended: its output folder and the credentials its line must not
+    show, once the arguments are parsed."""
 
     output: OutputFolder | None = None
+    secrets: tuple[str, ...] = ()
 
 
-def _say(prog: str | None, message: str) -> None:
+def _say(prog: str | None, message: str, secrets=()) -> None:
     # one write of the whole line: the ranks of a launch print at the same moment into one unbuffered stream
-    sys.stderr.write(f"{prog or os.path.basename(sys.argv[0])}: error: {message}\n")
+    sys.stderr.write(f"{prog or os.path.basename(sys.argv[0])}: error: {redact(message, secrets)}\n")
     sys.stdout.flush()
     sys.stderr.flush()
 
@@ -87,11 +90,11 @@ def recipe_exits(prog: str | None = None) -> Iterator[RecipeEnding]:
         yield ending
     except INPUT_ERRORS as error:
         discard_staging(ending.output)
-        _say(prog, str(error))
+        _say(prog, str(error), ending.secrets)
         sys.exit(2)
     except NonFiniteTrainingError as error:
         discard_staging(ending.output)
-        _say(prog, str(error))
+        _say(prog, str(error), ending.secrets)
         sys.exit(1)
     except KeyboardInterrupt:
         discard_staging(ending.output)
@@ -117,6 +120,6 @@ def run_recipe(parser, main: Callable[..., object], args: list[str] | None = Non
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     with recipe_exits() as ending:
         script_args, model_args, training_args, setup = parse_recipe_args(parser, args)
-        ending.output = setup.output
+        ending.output, ending.secrets = setup.output, tuple(parsed_secrets(script_args, model_args, training_args))
         main(script_args, training_args, model_args, setup)
     end_distributed_run()  # every rank: the others done, the process group destroyed, outputs flushed, exit 0

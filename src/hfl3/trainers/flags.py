@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 from transformers.utils import is_liger_kernel_available
 
 from hfl3.optim.settings import GroupLearningRates
+from hfl3.provenance.portable import REDACTED, is_secret
 
 RECIPES = ("pretrain", "sft_lora")
 
@@ -475,7 +476,10 @@ NEEDS: dict[str, dict[str, Needs]] = {
 """Per recipe: honoured fields that act only with another setting; given without it, they are refused."""
 
 
-def _shown(value) -> str:
+def _shown(value, name: str = "") -> str:
+    """`value` as a refusal quotes it; `<redacted>` for a field that holds a credential (`is_secret`)."""
+    if is_secret(name):
+        return REDACTED
     value = getattr(value, "value", value)
     if isinstance(value, (list, tuple)):
         return " ".join(map(str, value))
@@ -495,16 +499,17 @@ def refuse_flags(recipe: str, given: frozenset[str], *parsed) -> None:
         parsed: the recipe's parsed argument dataclasses.
 
     Raises:
-        ValueError: `--FIELD VALUE: why; the fix`, for the first such field in the tables' order.
+        ValueError: `--FIELD VALUE: why; the fix`, for the first such field in the tables' order (VALUE
+            `<redacted>` for a credential, `hfl3.provenance.portable.is_secret`).
     """
     values = {item.name: getattr(arguments, item.name) for arguments in parsed for item in fields(arguments)}
     for name, refusal in REFUSED[recipe].items():
         if name in given and getattr(values[name], "value", values[name]) not in refusal.accepted:
-            raise ValueError(f"--{name} {_shown(values[name])}: {refusal.reason}")
+            raise ValueError(f"--{name} {_shown(values[name], name)}: {refusal.reason}")
     for name, needs in NEEDS[recipe].items():
         if name in given and not needs.holds(values):
             fix = (needs.fix or "add it, or leave --{name} out").format(name=name)
-            raise ValueError(f"--{name} {_shown(values[name])}: acts only with {needs.setting}; {fix}")
+            raise ValueError(f"--{name} {_shown(values[name], name)}: acts only with {needs.setting}; {fix}")
 
 
 def check_model_flags(model_args, training_args) -> None:
