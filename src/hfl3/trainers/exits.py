@@ -31,6 +31,7 @@ from hfl3.trainers.arguments import parse_recipe_args, parsed_secrets
 from hfl3.trainers.guards import NonFiniteTrainingError
 from hfl3.trainers.launch import LOG_FORMAT, LaunchError
 from hfl3.trainers.outputs import STAGING, OutputFolder, latest_checkpoint
+from hfl3.trainers.recipe_log import recipe_log
 
 logger = logging.getLogger(__name__)
 
@@ -115,11 +116,13 @@ def recipe_exits(prog: str | None = None) -> Iterator[RecipeEnding]:
 def run_recipe(parser, main: Callable[..., object], args: list[str] | None = None) -> None:
     """A recipe's `__main__`: log lines in `LOG_FORMAT`, parse (`parse_recipe_args` over the script, model and
     training argument classes, in that order), `main(script_args, training_args, model_args, setup)` (TRL's order,
-    and the `RunSetup`), then end every rank through `end_distributed_run` (exit status 0); inside `recipe_exits`."""
+    and the `RunSetup`), then end every rank through `end_distributed_run` (exit status 0); inside `recipe_exits`,
+    and `recipe_log` (no credential in the log, another library's repeated warnings once, with their counts)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    with recipe_exits() as ending:
+    with recipe_exits() as ending, recipe_log() as log:
         script_args, model_args, training_args, setup = parse_recipe_args(parser, args)
         ending.output, ending.secrets = setup.output, tuple(parsed_secrets(script_args, model_args, training_args))
+        log.secrets = ending.secrets
         main(script_args, training_args, model_args, setup)
     end_distributed_run()  # every rank: the others done, the process group destroyed, outputs flushed, exit 0
