@@ -235,8 +235,12 @@ def test_muon_sft_on_a_base_muon_did_not_pretrain_derives_fine_tuning_lrs_from_t
     assert "learning_rate" not in derived and derived["embedding_lr"] == learning_rate
     assert derived["matrix_lr"] == pytest.approx(0.2 * hidden_size ** 0.5 * learning_rate)
     with caplog.at_level(logging.INFO):
-        trainer = build_sft_trainer(script, args, model, setup).trainer
-        groups = {group["name"]: group for group in trainer.create_optimizer().param_groups}
+        run = build_sft_trainer(script, args, model, setup)
+        groups = {group["name"]: group for group in run.trainer.create_optimizer().param_groups}
+    # what trained the model, in its metadata.json (python -m hfl3.provenance show prints it)
+    assert run.metadata["optimizer"] == {"name": "MuonAdamW", "weight_decay": args.weight_decay,
+                                         "learning_rates": {name: group["lr"] for name, group in groups.items()},
+                                         "from_learning_rate": learning_rate}
     assert "matrix_lr = " in caplog.text and "GroupLearningRates.for_fine_tuning" in caplog.text  # with its source
     assert "is not used" not in caplog.text  # the LR is used: the group LRs come from it
     assert groups["matrix"]["lr"] == pytest.approx(derived["matrix_lr"] * args.init_lr_frac)

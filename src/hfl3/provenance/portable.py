@@ -47,8 +47,11 @@ def _local_path_free(text: str) -> str:
         top = path.split("/")[1]
         if not top or not os.path.isdir("/" + top):
             return path  # not a path of this machine (e.g. a Hub URL fragment or prose)
+        cwd = Path.cwd().resolve()
         try:
-            inside = Path(path).resolve().relative_to(Path.cwd().resolve())
+            if cwd == Path(cwd.anchor):  # every path is inside the root: its relative form is the whole path
+                raise ValueError
+            inside = Path(path).resolve().relative_to(cwd)
         except ValueError:
             return Path(path.rstrip("/")).name or path
         return str(inside)
@@ -63,8 +66,8 @@ def portable(obj: Any) -> Any:
     - keys that hold credentials (`is_secret`: `hub_token`, ...) are dropped, and `hf_...` token strings become
       `<redacted>`;
     - absolute paths whose top folder exists here (`/home/...`, `/tmp/...`) become relative to the working
-      directory when inside it (`outputs/demo`), else their last component (`pytest-3/out` → `out`), in keys,
-      values and inside longer strings.
+      directory when inside it (`outputs/demo`; not when it is `/`, where that would be the whole path without its
+      `/`), else their last component (`pytest-3/out` → `out`), in keys, values and inside longer strings.
     """
     if isinstance(obj, Mapping):
         return {_local_path_free(str(k)): portable(v) for k, v in obj.items() if not is_secret(k)}

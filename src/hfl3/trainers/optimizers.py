@@ -135,3 +135,20 @@ class OptimizerMixin:
             save_optimizer_state(getattr(self.optimizer, "optimizer", self.optimizer),
                                  self.accelerator.unwrap_model(self.model, keep_torch_compile=False), path)
         return path
+
+
+def optimizer_metadata(args, model) -> dict:
+    """What trains `model` with `args`, for an output's `metadata.json` (`optimizer`) and `python -m hfl3.provenance
+    show`: MuonAdamW's group LRs at their peak (the groups `create_optimizer` builds: `param_groups_by_kind` with the
+    batch LR scale and SFT's `init_lr_frac`), the Muon weight decay and, where SFT derived them, the learning rate
+    they came from (`GroupLearningRates.for_fine_tuning`); else the Trainer's optimizer and its learning rate."""
+    optim = getattr(args.optim, "value", args.optim)
+    if not getattr(args, "use_muon", False):
+        return {"name": optim, "learning_rate": args.learning_rate, "weight_decay": args.weight_decay}
+    from hfl3.optim import param_groups_by_kind
+
+    scale = args.batch_lr_scale * getattr(args, "init_lr_frac", 1.0)
+    groups = param_groups_by_kind(model, args, batch_lr_scale=scale)
+    derived = {"from_learning_rate": args.learning_rate} if args.group_lrs_from_learning_rate else {}
+    return {"name": "MuonAdamW", "learning_rates": {group["name"]: group["lr"] for group in groups},
+            "weight_decay": args.weight_decay, **derived}
