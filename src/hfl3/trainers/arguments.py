@@ -55,7 +55,7 @@ from hfl3.distributed import check_same_on_all_ranks, on_all_ranks, rank
 from hfl3.evaluate import check_core_bundle
 from hfl3.provenance.hub import is_hub_id
 from hfl3.provenance.portable import REDACTED, is_secret, redact
-from hfl3.trainers.flags import OPTIMIZER_BOUNDS, check_model_flags, refuse_flags
+from hfl3.trainers.flags import OPTIMIZER_BOUNDS, check_model_flags, refuse_flags, with_choices
 from hfl3.trainers.outputs import OutputFolder, base_model_hub_id, prepare_output_dir, safetensors_problem
 from hfl3.trainers.base_model import check_quantization_arguments
 from hfl3.trainers.sft_inheritance import decide_from_base
@@ -505,20 +505,24 @@ def decide_evaluation(training_args, has_eval_data: bool, resuming: bool) -> Eva
 
     Raises:
         ValueError: an evaluation strategy, best-model loading or step-0 evaluation asked for without evaluation
-            data; early stopping without evaluation (data, a strategy other than `no`, and best-model loading).
+            data; early stopping without evaluation (data, a strategy other than `no`, and best-model loading). A
+            value the configuration chose for the user that the message names is said to be one (`hfl3_choices`,
+            `hfl3.trainers.flags.with_choices`).
     """
     strategy = IntervalStrategy(training_args.eval_strategy)
+    choices = getattr(training_args, "hfl3_choices", {})  # values a refusal must say hfl3 chose (ChatSFTConfig)
     if not has_eval_data and getattr(training_args, "evaluate_by_default", False):
         logger.info("no --dataset_test_split, --val_split or --eval_file: training without evaluation (no "
                     "best-model selection)")
         strategy = IntervalStrategy.NO
     elif not has_eval_data and strategy != IntervalStrategy.NO:
-        raise ValueError(f"eval_strategy={strategy.value} needs --dataset_test_split, --val_split or --eval_file")
+        raise ValueError(with_choices(f"eval_strategy={strategy.value} needs --dataset_test_split, --val_split or "
+                                      "--eval_file", choices))
     enabled = has_eval_data and strategy != IntervalStrategy.NO
     if getattr(training_args, "early_stopping_patience", None) and not (enabled and
                                                                          training_args.load_best_model_at_end):
-        raise ValueError("--early_stopping_patience needs evaluation: evaluation data, an --eval_strategy other than "
-                         "no, and --load_best_model_at_end true")
+        raise ValueError(with_choices("--early_stopping_patience needs evaluation: evaluation data, an --eval_strategy "
+                                      "other than no, and --load_best_model_at_end true", choices))
     if training_args.eval_on_start and not enabled:
         raise ValueError("--eval_on_start true needs evaluation: evaluation data and an --eval_strategy other than no")
     on_start = enabled and (not resuming if training_args.eval_on_start is None else training_args.eval_on_start)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
@@ -486,6 +487,19 @@ def _shown(value, name: str = "") -> str:
     if isinstance(value, float):
         return f"{value:g}"
     return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
+def with_choices(message: str, choices: Mapping[str, str]) -> str:
+    """`message` (a refusal; one line) followed by the note of each value in `choices` it names (`{field: note}`: a
+    value hfl3 chose for the user, and the flag that changes it, e.g. `ChatSFTConfig.hfl3_choices`), so that a
+    refusal never blames a flag the user did not set. A field counts as named by its name, or by its words (`eval
+    strategy`, `evaluation strategy` for `eval_strategy`), as transformers' messages write them."""
+    line = " ".join(message.split())
+    named = [note for name, note in choices.items()
+             if re.search("|".join(re.escape(form) for form in {name, name.replace("_", " "),
+                                                                 name.replace("eval_", "evaluation ").replace("_", " ")}),
+                          line, re.IGNORECASE)]
+    return f"{line} ({'; '.join(named)})" if named else line
 
 
 def refuse_flags(recipe: str, given: frozenset[str], *parsed) -> None:
