@@ -16,8 +16,10 @@ LRs, what arm c ran at on such a base before that rule (the "4.15 → 8.01" of a
 `recipes/configs/sft_demo.yaml`'s (600 stdlib-docstring chats, 10 % held out, rows of 192 tokens). Reported per arm
 (mean and spread over the seeds): the held-out chats' loss before and after (`eval_before_loss`, `eval_loss`), the
 supervised tokens per second of training (the step-0 evaluation excluded; the final one runs after training), and
-the peak RSS (CPU) or CUDA memory. Every arm runs one batch of the demo's 16 rows per step (`--gradient_accumulation_
-steps 1`: a full fine-tuning would otherwise take the base's total batch, `hfl3.trainers.sft_inheritance`).
+the peak RSS (CPU) or CUDA memory; on the Llama base also what the model still knows of its pretraining text, before
+and after (`text_loss`: the mean loss on 32 rows of the stdlib text it was pretrained on), which a fine-tuning that
+wrecks the base raises. Every arm runs one batch of the demo's 16 rows per step (`--gradient_accumulation_steps 1`: a
+full fine-tuning would otherwise take the base's total batch, `hfl3.trainers.sft_inheritance`).
 
     python benchmarks/chat_sft.py --json benchmarks/results/chat_sft_cpu.json    # CPU: ~14 min on 2 cores (5: the base)
     python benchmarks/chat_sft.py --arms full_muon full_muon_warm --seeds 0 --max_steps 20
@@ -29,6 +31,7 @@ On a GPU the same arms run at the shape the arguments give (`make bench-gpu` run
 
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -128,13 +131,40 @@ def pretrain_llama_base(folder: str, steps: int) -> None:
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                                          **LLAMA_BASE))
-    training = TrainingArguments(output_dir=str(Path(folder) / "_trainer"), max_steps=steps, learning_rate=3e-3,
+    scratch = tempfile.mkdtemp(prefix="llama-base-")
+    training = TrainingArguments(output_dir=scratch, max_steps=steps, learning_rate=3e-3,
                                  warmup_steps=20, lr_scheduler_type="cosine", weight_decay=0.1,
                                  per_device_train_batch_size=8, logging_steps=50, save_strategy="no",
                                  report_to="none", seed=0, disable_tqdm=True, use_cpu=not torch.cuda.is_available())
     Trainer(model=model, args=training, train_dataset=rows).train()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+TEXT_ROWS = 32
+"""Rows of 256 tokens of `text_loss`: the last of the stdlib text the Llama base was pretrained on."""
+
+
+def text_loss(folder: str) -> float:
+    """What a model still knows of the base's pretraining text: its mean loss on the last `TEXT_ROWS` rows of 256
+    tokens of the stdlib sources, cut as `pretrain_llama_base` cut them (the base trained on a random 14 % of its
+    rows, once). A fine-tuning that wrecks the base raises it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hfl3.data.stdlib import stdlib_files
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    length, ids = LLAMA_BASE["max_position_embeddings"], []
+    for path in reversed(stdlib_files()):
+        ids = [tokenizer.bos_token_id, *tokenizer(path.read_text(encoding="utf-8", errors="replace"))["input_ids"],
+               *ids]
+        if len(ids) >= (TEXT_ROWS + 1) * length:
+            break
+    rows = torch.tensor(ids[-TEXT_ROWS * length:]).view(TEXT_ROWS, length)
+    with torch.no_grad():
+        return sum(model(input_ids=row[None], labels=row[None]).loss.item() for row in rows) / TEXT_ROWS
 
 
 def run_arm(arm: str, seed: int, base: str, args: ChatSFTArguments, output_dir: str) -> dict:
@@ -159,8 +189,10 @@ def run_arm(arm: str, seed: int, base: str, args: ChatSFTArguments, output_dir: 
     peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     training_seconds = results["train_runtime"] - results.get("eval_before_runtime", 0.0)  # the step-0 evaluation out
+    kept = {"text_loss_before": text_loss(base), "text_loss": text_loss(output_dir)} \
+        if args.base == "llama_adamw" and arm != "lora_adamw" else {}
     return {"arm": arm, "seed": seed, "eval_before_loss": results.get("eval_before_loss"),
-            "eval_loss": results.get("eval_loss"), "train_supervised_tokens": results["train_supervised_tokens"],
+            "eval_loss": results.get("eval_loss"), **kept, "train_supervised_tokens": results["train_supervised_tokens"],
             "training_seconds": training_seconds, "wall_seconds": time.perf_counter() - started,
             "tokens_per_second": results["train_supervised_tokens"] / training_seconds, "peak_memory_bytes": peak}
 
@@ -171,7 +203,8 @@ def summarize(runs: list[dict], arms: list[str]) -> dict:
     for arm in arms:
         mine = [run for run in runs if run["arm"] == arm]
         row = {}
-        for key in ("eval_before_loss", "eval_loss", "tokens_per_second", "peak_memory_bytes"):
+        for key in ("eval_before_loss", "eval_loss", "text_loss_before", "text_loss", "tokens_per_second",
+                    "peak_memory_bytes"):
             values = [run[key] for run in mine if run.get(key) is not None]
             if values:
                 row[key] = {"mean": statistics.mean(values), "spread": (max(values) - min(values)) / 2,
@@ -195,11 +228,13 @@ def main(args: ChatSFTArguments) -> dict:
     how = "Muon" if args.base == "l3gpt_muon" else "AdamW"
     print(f"\nChat SFT of {described} ({args.pretrain_steps} {how} pretraining steps), {args.max_steps} steps per arm,"
           f" seeds {args.seeds}, --learning_rate {args.learning_rate:g}, {device}")
-    print(f"{'arm':<16}{'eval loss before':>18}{'eval loss after':>20}{'sup. tok/s':>16}{'peak MB':>10}")
+    print(f"{'arm':<26}{'eval loss before':>18}{'eval loss after':>20}{'text loss before':>18}{'text loss after':>20}"
+          f"{'sup. tok/s':>12}{'peak MB':>10}")
     for arm, row in table.items():
         cell = lambda key, fmt: (f"{row[key]['mean']:{fmt}} ±{row[key]['spread']:.3f}" if key in row else "—")  # noqa: E731
-        print(f"{arm:<16}{cell('eval_before_loss', '.4f'):>18}{cell('eval_loss', '.4f'):>20}"
-              f"{row['tokens_per_second']['mean'] if 'tokens_per_second' in row else 0:>16.0f}"
+        print(f"{arm:<26}{cell('eval_before_loss', '.4f'):>18}{cell('eval_loss', '.4f'):>20}"
+              f"{cell('text_loss_before', '.4f'):>18}{cell('text_loss', '.4f'):>20}"
+              f"{row['tokens_per_second']['mean'] if 'tokens_per_second' in row else 0:>12.0f}"
               f"{row['peak_memory_bytes']['mean'] / 2**20 if 'peak_memory_bytes' in row else 0:>10.0f}")
     return write_result(args.json, {"args": asdict(args) | {"base_dir": shown_path(args.base_dir)},
                                     "device": device, "summary": table, "runs": runs})
