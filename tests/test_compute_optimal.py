@@ -186,6 +186,16 @@ def test_bad_dial_arguments(tmp_path, changes, match):
         nanochat_args(tmp_path, **changes)
 
 
+@pytest.mark.parametrize("max_steps", [0, -5])
+def test_max_steps_zero_names_pretrainings_own_sizing_rule(tmp_path, max_steps):
+    with pytest.raises(ValueError) as error:
+        PretrainConfig(output_dir=str(tmp_path), max_steps=max_steps, report_to="none")
+    assert str(error.value) == (
+        f"max_steps={max_steps}: expected a positive number of optimizer steps, or -1 (the default) to size the run by "
+        "the compute-optimal dial: --target_flops, else --target_param_data_ratio tokens per scaling parameter "
+        "(pretraining streams its data: it takes no --num_train_epochs)")
+
+
 def tiny_model() -> L3GPTForCausalLM:
     return L3GPTForCausalLM(L3GPTConfig.from_depth(2, vocab_size=512, aspect_ratio=32, head_dim=32,
                                                    max_position_embeddings=64, window_pattern="SL"))

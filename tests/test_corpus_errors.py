@@ -109,6 +109,24 @@ def test_a_file_its_reader_would_stop_on_is_refused_or_skipped_when_opened(tmp_p
     assert f"skipped 1 file(s), all listed with the reason in the metadata: {name}: " in caplog.text
 
 
+def test_files_a_folder_holds_with_another_suffix_are_counted_and_listed(tmp_path, caplog, paragraphs):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "good.txt").write_text(paragraphs[0])
+    (folder / "more.jsonl").write_bytes(jsonl([{"text": paragraphs[1]}]))
+    (folder / "blob.bin").write_bytes(bytes(range(256)))
+    (folder / "README.md").write_text(paragraphs[2])
+    (folder / "sub").mkdir()  # a folder inside is not a file of the entry
+    with caplog.at_level("WARNING", logger="hfl3.data.sources"):
+        corpus = sources.open_corpus(str(folder))
+    assert [f.name for f in corpus.files] == ["good.txt", "more.jsonl"]
+    skipped = corpus.report()["skipped_files"]  # what metadata.json lists
+    assert list(skipped) == ["README.md", "blob.bin"]
+    assert skipped["blob.bin"].startswith("not read: a folder's .txt, .py, .jsonl, .json, .parquet, .arrow files are "
+                                          "read") and skipped["blob.bin"].endswith("its suffix is .bin")
+    assert "skipped 2 file(s), all listed with the reason in the metadata: README.md: not read" in caplog.text
+
+
 def write_records(path, paragraphs: list[str]) -> list[str]:
     """399 records at `path` in its format, 3 of them without text (the first, the 200th and the last): two missing
     or null (a text file: blank pieces between separators instead), one blank. Returns the 396 texts in order."""

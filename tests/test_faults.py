@@ -27,6 +27,7 @@ from hfl3.trainers.outputs import (
     latest_checkpoint,
     prepare_output_dir,
 )
+from hfl3.trainers.exits import run_recipe
 from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator, PretrainConfig
 
 TINY = ["--max_steps", "12", "--save_strategy", "steps", "--save_steps", "4", "--logging_steps", "2",
@@ -124,6 +125,32 @@ def test_a_non_empty_output_dir_is_refused_before_any_work(tmp_path):
     (empty / STAGING / "work").mkdir(parents=True)  # leftovers of a run killed before its first checkpoint
     folder = prepare_output_dir(PretrainConfig(output_dir=str(empty), report_to="none"))
     assert folder.resume_checkpoint is None and not folder.replacing
+
+
+@pytest.mark.parametrize("folder", ["/proc/hfl3-output", "/sys/hfl3-output", "/proc/hfl3/out"])
+def test_an_output_dir_that_cannot_be_written_is_refused_before_any_work(folder, pretrain_recipe, repo_root, capsys,
+                                                                         monkeypatch):
+    """A probe file is created and removed where the folder would go: `os.access` says yes for /proc and /sys to
+    root, and such a run once read the corpus and trained the tokenizer, then died saving."""
+    monkeypatch.setattr(os, "access", lambda *arguments, **options: True)  # what root is told: it must not count
+    opened = []
+    monkeypatch.setattr(pretrain_recipe, "build_pretraining", lambda *arguments: opened.append(arguments))
+    with pytest.raises(SystemExit) as exit_info:
+        run_recipe(pretrain_recipe.make_parser(), pretrain_recipe.main, [
+            "--config", str(repo_root / "recipes" / "configs" / "pretrain_tiny.yaml"), "--output_dir", folder])
+    assert exit_info.value.code == 2 and not opened
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    top = "/" + folder.split("/")[1]
+    assert line.split(": error: ", 1)[1].startswith(f"--output_dir {folder}: {top} is not writable (a probe file could "
+                           "not be created there: "), line
+    assert line.endswith("); expected a folder this user can create and write")
+
+
+def test_the_write_probe_leaves_nothing_behind(tmp_path):
+    for folder in (tmp_path / "exists", tmp_path / "new" / "deeper"):
+        (tmp_path / "exists").mkdir(exist_ok=True)
+        prepare_output_dir(PretrainConfig(output_dir=str(folder), report_to="none"))
+    assert [p.name for p in tmp_path.iterdir()] == ["exists"] and not any((tmp_path / "exists").iterdir())
 
 
 def test_latest_skips_incomplete_checkpoints_with_a_warning(tmp_path, caplog):

@@ -5,6 +5,8 @@ expression in `--lora_target_modules` is TRL's and PEFT's."""
 
 import dataclasses
 import json
+import math
+import re
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +24,10 @@ from trl import ModelConfig, SFTConfig, TrlParser, get_peft_config
 from hfl3.data.chat import write_chat_jsonl
 from hfl3.provenance import push_folder_to_hub
 from hfl3.trainers import flags
-from hfl3.trainers.arguments import parse_recipe_args
+from hfl3.errors import InputError
+from hfl3.provenance.portable import is_secret
+from hfl3.trainers.arguments import launch_arguments, parse_recipe_args, parsed_secrets
+from hfl3.trainers.exits import recipe_exits
 from hfl3.trainers.output_mixins import OutputFolderMixin
 from hfl3.trainers.sft_builder import build_sft_trainer
 
@@ -265,3 +270,94 @@ def test_padding_free_without_packing_trains_as_the_padded_rows(sft_recipe, repo
         assert trainer.data_collator.padding_free == (padding_free == "true")  # the guard: the flag reached TRL
         losses[padding_free] = trainer.train().training_loss
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-5)
+
+
+# ---- every optimizer setting is range-checked while the arguments are parsed ---------------------------------------
+
+OPTIMIZER_SETTING = re.compile(r"(^|_)lr($|_)|learning_rate|weight_decay|beta\d|momentum|epsilon|_frac$|_ratio$")
+"""Field names of a learning rate, weight decay, momentum coefficient, epsilon or fraction of an optimizer group."""
+NOT_OPTIMIZER_SETTINGS = {  # matched by the pattern, but no number of an optimizer group
+    "lr_scheduler_type": "the schedule's name",
+    "lr_scheduler_kwargs": "the schedule's keyword arguments (a dict)",
+    "target_param_data_ratio": "the compute-optimal dial's training tokens per parameter, not an optimizer group's",
+    "aspect_ratio": "the model's width per layer (nanochat's dial), not an optimizer group's",
+}
+
+
+def out_of_range(bounds) -> list[float]:
+    """Values just outside `bounds` on each side, and a NaN."""
+    below = float(bounds.low if not bounds.low_closed else bounds.low - 0.01)
+    above = [float(bounds.high if not bounds.high_closed else bounds.high + 0.01)] if math.isfinite(bounds.high) \
+        else []
+    return [below, *above, math.nan]
+
+
+@pytest.mark.parametrize("recipe", flags.RECIPES)
+def test_every_optimizer_setting_is_range_checked_in_one_line_before_any_work(recipes, repo_root, inputs, tmp_path,
+                                                                             capsys, monkeypatch, recipe):
+    monkeypatch.chdir(repo_root)
+    classes = recipes[recipe].make_parser().dataclass_types
+    settings = sorted({field.name for cls in classes for field in dataclasses.fields(cls)
+                       if field.init and OPTIMIZER_SETTING.search(field.name)} - set(NOT_OPTIMIZER_SETTINGS))
+    assert "matrix_lr" in settings and "adam_beta2" in settings  # the guard: the pattern finds them
+    assert sorted(set(settings) - set(flags.OPTIMIZER_BOUNDS)) == [], "an optimizer setting without bounds"
+    base = recipe_arguments(recipe, repo_root, inputs, tmp_path / "out")
+    for name in settings:
+        bounds = flags.OPTIMIZER_BOUNDS[name]
+        for value in out_of_range(bounds):
+            line = parse_error(recipes[recipe], [*base, f"--{name}", str(value)], capsys)
+            assert line.startswith(f"{name}={value}: expected {bounds.expected}"), line
+        assert not (tmp_path / "out").exists()
+
+
+# ---- no credential in any message ------------------------------------------------------------------------------
+
+TOKEN = "hf_" + "Zq7Xw3Vb" * 4  # shaped like a Hugging Face token
+NOT_CREDENTIALS = {  # fields named like a credential that hold none
+    "eos_token": "a vocabulary token's text (the masks' end of turn)",
+    "pad_token": "a vocabulary token's text (TRL's collator)",
+    "max_new_tokens": "a count of tokens",
+    "l3_sample_tokens": "a count of tokens",
+    "tokenizer_train_chars": "a count of characters",
+    "tokenizer_name_or_path": "a tokenizer's folder or Hub id",
+    "average_tokens_across_devices": "a switch of the loss normalisation",
+    "include_num_input_tokens_seen": "a switch of the token count",
+    "num_key_value_heads": "the model's key-value heads",
+}
+
+
+@pytest.mark.parametrize("recipe", flags.RECIPES)
+def test_every_field_named_like_a_credential_is_one_or_listed_as_none(recipes, recipe):
+    classes = recipes[recipe].make_parser().dataclass_types
+    named = {field.name for cls in classes for field in dataclasses.fields(cls)
+             if re.search("token|secret|passw|key|auth|credential", field.name)}
+    secret = {name for name in named if is_secret(name)}
+    assert "hub_token" in secret
+    assert sorted(named - secret - set(NOT_CREDENTIALS)) == []
+    assert not secret & set(NOT_CREDENTIALS)
+
+
+@pytest.mark.parametrize("recipe", flags.RECIPES)
+def test_a_message_that_quotes_a_credential_redacts_it(recipes, repo_root, inputs, tmp_path, capsys, recipe):
+    base = recipe_arguments(recipe, repo_root, inputs, tmp_path / "out")
+    secret_fields = sorted({field.name for cls in recipes[recipe].make_parser().dataclass_types
+                            for field in dataclasses.fields(cls) if is_secret(field.name)})
+    for name in secret_fields:  # refused (each acts only with --push_to_hub): the line names the flag, not its value
+        for arguments in ([*base, f"--{name}", TOKEN], recipe_arguments(recipe, repo_root, inputs, tmp_path / "out",
+                                                                         {name: TOKEN})):
+            capsys.readouterr()
+            with pytest.raises(SystemExit):
+                parse_recipe_args(recipes[recipe].make_parser(), arguments)
+            err = capsys.readouterr().err
+            assert TOKEN not in err and f"--{name} <redacted>: acts only with --push_to_hub" in err
+    assert TOKEN not in parse_error(recipes[recipe], [*base, "--hub_tokn", TOKEN], capsys)  # a mistyped flag
+    parsed = parse_recipe_args(recipes[recipe].make_parser(), [*base, "--push_to_hub", "false"])[:3]
+    parsed[2].hub_token = TOKEN
+    assert TOKEN not in json.dumps(launch_arguments(parsed))  # what machines compare, and a difference shows
+    assert launch_arguments(parsed)["hub_token"] != launch_arguments(parse_recipe_args(
+        recipes[recipe].make_parser(), base)[:3])["hub_token"]  # still compared
+    parsed[2].hub_token = "s3cr3t-of-another-hub"  # not shaped like a Hugging Face token: found by its field
+    with pytest.raises(SystemExit), recipe_exits() as ending:  # a line at the end of a run
+        ending.secrets = parsed_secrets(*parsed)
+        raise InputError("the Hub refused the token s3cr3t-of-another-hub")
+    assert capsys.readouterr().err.endswith("error: the Hub refused the token <redacted>\n")

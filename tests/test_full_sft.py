@@ -4,6 +4,7 @@ provenance chain from the corpus to the chat model."""
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from hfl3.optim.state_file import load_optimizer_state, read_header, save_optimi
 from hfl3.provenance import read_chain
 from hfl3.trainers.arguments import parse_recipe_args
 from hfl3.trainers.pretrain import PretrainConfig
+from hfl3.trainers import sft_inheritance
 from hfl3.trainers.sft_builder import build_sft_trainer
 from hfl3.trainers.sft_inheritance import decide_from_base
 
@@ -206,3 +208,70 @@ def test_a_warm_start_that_cannot_act_is_one_line_and_exit_2(tmp_path, chats, qw
                    str(tmp_path / "c"), "--optim", "muon")
     assert "--optim muon with LoRA" in line
     assert not any((tmp_path / name).exists() for name in "abc")  # nothing written
+
+
+def muon_sft_setup(sft_recipe, base, chats, output, *extra):
+    """The SFT recipe's parsed arguments and `RunSetup` for every weight with Muon on `base`."""
+    return parse_recipe_args(sft_recipe.make_parser(), [
+        "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path", str(base), "--train_file", str(chats),
+        "--output_dir", str(output), "--use_peft", "false", "--optim", "muon", "--max_steps", "2", *extra])
+
+
+@pytest.mark.slow
+def test_muon_sft_on_a_base_muon_did_not_pretrain_derives_fine_tuning_lrs_from_the_learning_rate(
+        tmp_path, chats, qwen3_folder, sft_recipe, monkeypatch, repo_root, caplog):
+    monkeypatch.chdir(repo_root)
+    script, model, args, setup = muon_sft_setup(sft_recipe, qwen3_folder, chats, tmp_path / "a")
+    hidden_size = 32  # qwen3_folder's width
+    settings, _ = decide_from_base(model, args, frozenset())  # nothing given: a full fine-tuning's LR, TRL's 2e-5
+    derived = {name: value for name, (value, _) in settings.items()}
+    assert derived["learning_rate"] == 2e-5
+    assert derived["matrix_lr"] == pytest.approx(0.2 * hidden_size ** 0.5 * 2e-5)  # Muon's update at AdamW's RMS
+    assert [derived[name] for name in ("embedding_lr", "unembedding_lr", "scalar_lr", "smear_lr")] == [2e-5] * 4
+    assert "l3_table_lr" not in derived and "value_embedding_lr" not in derived  # they follow embedding_lr
+    assert "--learning_rate 2e-05" in settings["matrix_lr"][1]
+    derived = {name: value for name, (value, _) in setup.settings.items()}  # sft_tiny.yaml gives --learning_rate
+    learning_rate = args.learning_rate
+    assert "learning_rate" not in derived and derived["embedding_lr"] == learning_rate
+    assert derived["matrix_lr"] == pytest.approx(0.2 * hidden_size ** 0.5 * learning_rate)
+    with caplog.at_level(logging.INFO):
+        run = build_sft_trainer(script, args, model, setup)
+        groups = {group["name"]: group for group in run.trainer.create_optimizer().param_groups}
+    # what trained the model, in its metadata.json (python -m hfl3.provenance show prints it)
+    assert run.metadata["optimizer"] == {"name": "MuonAdamW", "weight_decay": args.weight_decay,
+                                         "learning_rates": {name: group["lr"] for name, group in groups.items()},
+                                         "from_learning_rate": learning_rate}
+    assert "matrix_lr = " in caplog.text and "GroupLearningRates.for_fine_tuning" in caplog.text  # with its source
+    assert "is not used" not in caplog.text  # the LR is used: the group LRs come from it
+    assert groups["matrix"]["lr"] == pytest.approx(derived["matrix_lr"] * args.init_lr_frac)
+    assert groups["unembedding"]["lr"] == pytest.approx(learning_rate * (hidden_size / 768) ** -0.5 * args.init_lr_frac)
+    # given values win: --learning_rate is the rule's input, a given group LR is kept
+    _, _, _, setup = muon_sft_setup(sft_recipe, qwen3_folder, chats, tmp_path / "b", "--learning_rate", "1e-4",
+                                    "--scalar_lr", "0.01")
+    derived = {name: value for name, (value, _) in setup.settings.items()}
+    assert "scalar_lr" not in derived and derived["matrix_lr"] == pytest.approx(0.2 * hidden_size ** 0.5 * 1e-4)
+
+
+@pytest.mark.slow
+def test_muon_sft_inherits_group_lrs_only_from_a_base_that_muon_pretrained(tmp_path, chats, pretrained, sft_recipe,
+                                                                           monkeypatch, repo_root, capsys):
+    monkeypatch.chdir(repo_root)
+    adamw_base = tmp_path / "adamw_base"  # the same folder, as if pretrained with --optim adamw_torch
+    shutil.copytree(pretrained, adamw_base, ignore=shutil.ignore_patterns("optimizer"))
+    metadata = json.loads((adamw_base / "metadata.json").read_text())
+    metadata["training_args"]["use_muon"] = False
+    (adamw_base / "metadata.json").write_text(json.dumps(metadata))
+    _, _, args, setup = muon_sft_setup(sft_recipe, adamw_base, chats, tmp_path / "a")
+    hidden_size = metadata["model"]["hidden_size"]
+    assert setup.settings["matrix_lr"][0] == pytest.approx(0.2 * hidden_size ** 0.5 * args.learning_rate)  # not 0.02
+    assert "pretrained by recipes/pretrain.py without Muon" in setup.settings["matrix_lr"][1]
+    assert "batch_lr_scale" not in setup.settings
+    # a base whose config gives no hidden size: refused until the group LRs are given
+    monkeypatch.setattr(sft_inheritance, "base_hidden_size", lambda *arguments: None)
+    line = refusal(sft_recipe, capsys, "--config", "recipes/configs/sft_tiny.yaml", "--train_file", str(chats),
+                   "--model_name_or_path", str(adamw_base), "--output_dir", str(tmp_path / "b"), "--use_peft",
+                   "false", "--optim", "muon")
+    assert line.endswith("its group LRs are derived from --learning_rate and its hidden_size "
+                         "(GroupLearningRates.for_fine_tuning), which its config does not give; pass --matrix_lr (and "
+                         "--embedding_lr, --unembedding_lr, --scalar_lr)")
+    muon_sft_setup(sft_recipe, adamw_base, chats, tmp_path / "c", "--matrix_lr", "0.001")  # given: no hidden size needed

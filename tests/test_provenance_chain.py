@@ -97,15 +97,56 @@ def test_show_prints_every_link_newest_first_without_local_paths_or_tokens(chain
     provenance_main(["show", str(chain_folders["merged"])])
     text = capsys.readouterr().out
     headings = [line for line in text.splitlines() if line[:1].isdigit()]
-    assert headings == ["1. merged model: merged", "2. adapter: sft", "3. pretrained base: pretrain"]
+    # the folder as given on the command line; the bases as their outputs recorded them
+    assert headings == [f"1. merged model: {chain_folders['merged']}", "2. adapter: sft", "3. pretrained base: pretrain"]
     for expected in ("ab" * 32, "cd" * 32, sha256_records(chain_folders["corpus_files"]), "r 4", "lora_alpha 8",
                      "max_steps 30", build_metadata()["git_commit"] or "", "corpus.files 5000"):
         assert expected in text
     provenance_main(["show", str(chain_folders["merged"]), "--json"])
-    printed = capsys.readouterr().out
-    assert json.loads(printed) == read_chain(chain_folders["merged"])
-    for output in (text, printed, *(p.read_text() for p in tmp_path.rglob("metadata.json"))):
+    printed = json.loads(capsys.readouterr().out)
+    assert printed[0]["name"] == str(chain_folders["merged"])
+    assert printed[1:] == read_chain(chain_folders["merged"])[1:]
+    for output in (text.split("\n", 2)[2], json.dumps(printed[1:]),
+                   *(p.read_text() for p in tmp_path.rglob("metadata.json"))):
         assert str(tmp_path) not in output and TOKEN not in output
+
+
+MUON_SFT_ARGS = {"learning_rate": 0.0002, "optim": "adamw_torch", "use_muon": True, "matrix_lr": 0.0016,
+                 "embedding_lr": 0.03, "unembedding_lr": 0.0004, "scalar_lr": 0.05, "smear_lr": 0.02,
+                 "init_lr_frac": 0.8, "l3_table_lr": None, "max_steps": 20}
+
+
+@pytest.mark.parametrize("recorded", ["training_args only", "optimizer section"])
+def test_show_names_what_trained_each_link_muons_group_lrs_not_an_unused_learning_rate(tmp_path, capsys, monkeypatch,
+                                                                                      recorded):
+    optimizer = {"name": "MuonAdamW", "learning_rates": {"matrix": 0.00128, "embedding": 0.0277, "smear": 0.02},
+                 "weight_decay": 0.0, "from_learning_rate": 0.0002}
+    sections = {"optimizer": optimizer} if recorded == "optimizer section" else {}
+    folder = write_output(tmp_path / "sft", build_metadata(base_model={"name_or_path": "HuggingFaceTB/SmolLM2"},
+                                                           training_args=MUON_SFT_ARGS, **sections))
+    monkeypatch.chdir("/")  # from the root directory, an absolute folder is printed with its leading /
+    provenance_main(["show", str(folder)])
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[1] == f"1. full SFT model: {folder}"
+    text = " ".join(printed.split())  # the lines unwrapped
+    assert "learning_rate 0.0002" not in text.replace("from_learning_rate 0.0002", "")  # not an LR no group used
+    assert "optim adamw_torch" not in text and "use_muon" not in text
+    if recorded == "optimizer section":  # the peak LR of every group, as the optimizer was built
+        assert "optimizer: name MuonAdamW; learning_rates.matrix 0.00128; learning_rates.embedding 0.0277; " \
+               "learning_rates.smear 0.02; weight_decay 0; from_learning_rate 0.0002" in text
+    else:  # metadata written before the section: the group LR fields
+        assert "optimizer: name MuonAdamW; matrix_lr 0.0016; embedding_lr 0.03; unembedding_lr 0.0004; scalar_lr " \
+               "0.05; smear_lr 0.02; init_lr_frac 0.8" in text
+    assert "training: max_steps 20" in text
+    assert str(tmp_path).lstrip("/") not in (folder / "metadata.json").read_text()  # no local path written from /
+
+
+def test_an_adamw_link_shows_its_optimizer_and_learning_rate(tmp_path, capsys):
+    folder = write_output(tmp_path / "sft", build_metadata(
+        base_model={"name_or_path": "HuggingFaceTB/SmolLM2"},
+        training_args={"learning_rate": 2e-5, "optim": "adamw_torch", "use_muon": False, "max_steps": 20}))
+    provenance_main(["show", str(folder)])
+    assert "optimizer: optim adamw_torch; learning_rate 2e-05" in capsys.readouterr().out
 
 
 def test_an_output_whose_base_predates_lineage_ends_the_chain_with_what_it_recorded(tmp_path):

@@ -394,6 +394,34 @@ def test_eval_strategy_steps_alone_saves_at_every_evaluation_and_keeps_the_best(
     assert results["best_model_checkpoint"].endswith(("checkpoint-2", "checkpoint-4"))
 
 
+def test_best_model_selection_is_left_off_where_the_checkpoints_cannot_follow_the_evaluations(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="hfl3"):  # a full fine-tuning with evaluation and --save_strategy no
+        args = ChatSFTConfig(output_dir=str(tmp_path), save_strategy="no")
+    assert (args.eval_strategy, args.load_best_model_at_end) == ("epoch", False)
+    assert "no best-model selection" in caplog.text and "--save_strategy no with --eval_strategy epoch" in caplog.text
+    args = ChatSFTConfig(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=10, save_steps=15)
+    assert args.load_best_model_at_end is False  # 15 is no multiple of 10
+    assert ChatSFTConfig(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=5).load_best_model_at_end
+
+
+def test_a_refusal_involving_a_value_hfl3_chose_says_so_and_names_the_flag(tmp_path, sft_recipe, capsys):
+    base = ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--output_dir", str(tmp_path / "out")]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # --save_steps alone saves by steps; evaluation is by epoch by default
+        parse_recipe_args(sft_recipe.make_parser(), [*base, "--load_best_model_at_end", "true", "--save_steps", "7"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "requires the save and eval strategy to match" in line
+    assert "eval_strategy=epoch is hfl3's default with evaluation data, not a value you gave; --eval_strategy changes " \
+           "it" in line and "save_strategy=steps is hfl3's choice for a --save_steps given alone" in line
+    assert "load_best_model_at_end=True is" not in line  # given: the user's own
+    with pytest.raises(ValueError) as error:  # early stopping against a best-model selection hfl3 left off
+        sft_recipe.make_parser().parse_args_and_config([*base, "--val_split", "0.25", "--save_strategy", "no",
+                                                        "--early_stopping_patience", "2"])
+    assert "and --load_best_model_at_end true (" in str(error.value)
+    assert str(error.value).endswith("load_best_model_at_end=False is hfl3's default where no checkpoint follows every "
+                                     "evaluation, not a value you gave; --load_best_model_at_end changes it)")
+
+
 def test_evaluation_asked_for_without_evaluation_data_is_refused(tmp_path, sft_recipe):
     for flags in (["--eval_strategy", "epoch"], ["--load_best_model_at_end", "true"],
                   ["--early_stopping_patience", "2"]):

@@ -18,9 +18,9 @@ streaming its bytes (`inspect_file`): size and sha256 as stored, and what would 
 or blank; a JSON line that does not parse or whose text field is not a string; no record with text; a parquet /
 arrow file that does not open, lacks the text column or a row; data that does not decompress). Such a file raises
 `InputError` naming it, the problem and `--skip_invalid_files`, or with `skip_invalid` is left out and listed with
-the reason under `skipped_files`. A UTF-8 byte order mark at the start of a file is dropped. A local file whose bytes
-equal an earlier file's (same sha256; or a file of the held-out `exclude` corpus) is left out and listed under
-`duplicate_files`.
+the reason under `skipped_files`, as is every file of a folder entry whose suffix is not read (`unread_files`). A
+UTF-8 byte order mark at the start of a file is dropped. A local file whose bytes equal an earlier file's (same
+sha256; or a file of the held-out `exclude` corpus) is left out and listed under `duplicate_files`.
 
 No document is dropped silently: a record whose text is missing or null (`missing_text`) or blank, and a blank piece
 between two separators (`empty_text`), are counted by `Shard.read_counted`; repeats within a shard by the stream
@@ -317,6 +317,7 @@ def open_corpus(spec: str, text_column: str = "text", split: str = "train", data
             _add_files(corpus, files, None, True, text_column, excluded, excluded_sha256)
         elif _is_local(entry):
             files = _expand(entry)
+            corpus.skipped.update(unread_files(entry))
             separator = (BLANK_LINES if len(files) == 1 else None) if document_separator is None \
                 else document_separator or None
             _add_files(corpus, files, separator, skip_invalid, text_column, excluded, excluded_sha256)
@@ -365,6 +366,18 @@ def _expand(entry: str) -> list[tuple[Path, str]]:
     if not matches:
         raise FileNotFoundError(_no_file_message(entry))
     return [(p, p.relative_to(root).as_posix() if p.is_relative_to(root) else p.name) for p in matches]
+
+
+def unread_files(entry: str) -> dict[str, str]:
+    """The files of a folder entry that are not read for their suffix (`blob.bin`, `README.md`), `{name: reason}`,
+    so that they are counted and listed (`Corpus.skipped`) rather than left out without a word; {} for a file or a
+    glob (every file they name is read)."""
+    path = Path(entry).expanduser()
+    if not path.is_dir():
+        return {}
+    read = ", ".join(LOCAL_SUFFIXES)
+    return {p.name: f"not read: a folder's {read} files are read (also compressed), and its suffix is "
+                    f"{p.suffix or 'none'}" for p in sorted(path.iterdir()) if p.is_file() and not _is_listed(p)}
 
 
 def _no_file_message(entry: str) -> str:

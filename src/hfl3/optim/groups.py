@@ -177,8 +177,10 @@ def muon_optimizer(
     How `TrainingArguments` apply:
         - `args.learning_rate` is NOT used: each group has its own absolute LR, `GroupLearningRates`' (nanochat's,
           or `args`' own `matrix_lr`, `embedding_lr`, ... when `args` is a `GroupLearningRates`, as `PretrainConfig`
-          is; a keyword `matrix_lr=...` replaces either). A warning says so when it differs from `matrix_lr`. The
-          Trainer's logged `learning_rate` is the first group's: the Muon matrix LR.
+          is; a keyword `matrix_lr=...` replaces either). A warning says so when it differs from `matrix_lr`, unless
+          `args.group_lrs_from_learning_rate` (an SFT run derived the group LRs from it:
+          `GroupLearningRates.for_fine_tuning`). The Trainer's logged `learning_rate` is the first group's: the Muon
+          matrix LR.
         - `args.weight_decay` -> the Muon groups' (cautious, linearly decaying) weight decay; the AdamW
           groups get none, as in nanochat.
         - `args.adam_beta1`, `args.adam_beta2`, `args.adam_epsilon` -> every AdamW group (nanochat uses
@@ -217,7 +219,8 @@ def muon_optimizer(
                                   **{key: value for key, value in hyperparameters.items() if key in learning_rate_keys})
     groups = param_groups_by_kind(model, rates, hidden_size=hyperparameters.get("hidden_size"),
                                   batch_lr_scale=hyperparameters.get("batch_lr_scale", 1.0))
-    if not math.isclose(args.learning_rate, rates.matrix_lr):
+    derived = getattr(args, "group_lrs_from_learning_rate", False)  # then the LRs come from learning_rate
+    if not math.isclose(args.learning_rate, rates.matrix_lr) and not derived:
         logger.warning(
             "create_muon_optimizer: TrainingArguments.learning_rate=%g is not used; MuonAdamW groups keep their own "
             "LRs (%s). Pass matrix_lr=... etc. to change them.",

@@ -1,7 +1,8 @@
 """MuonAdamW's settings, each declared once here with its default, its meaning and where the default comes from.
 
-- `GroupLearningRates`: the learning rate of every parameter group that `param_groups_by_kind` forms, and the one
-  rule that scales them (`learning_rates`). `PretrainConfig` inherits its fields, so they are also the pretraining
+- `GroupLearningRates`: the learning rate of every parameter group that `param_groups_by_kind` forms, the one rule
+  that scales them (`learning_rates`), and the one rule that derives fine-tuning-scale LRs from an AdamW learning
+  rate for a base Muon did not pretrain (`for_fine_tuning`). `PretrainConfig` inherits its fields, so they are also the pretraining
   recipe's `--matrix_lr`, `--embedding_lr`, ... options, and `create_muon_optimizer` takes them as keywords.
 - `MuonSettings`: the keys of a `kind="muon"` group of `MuonAdamW` besides `lr` and `weight_decay`. `MuonAdamW`
   fills a group's missing keys from it (`MUON_DEFAULTS`) and hands it to the update: `hfl3.optim.update.muon_update`
@@ -44,13 +45,17 @@ class GroupLearningRates:
     the embedding-like AdamW groups (nanochat: "tuned for 768 dim model"), times `b`, the compute-optimal dial's
     total-batch scale √(B / 2^19) (`hfl3.trainers.compute_optimal`; 1 for a run sized by hand), for every group but
     `smear`, which nanochat fixes outside both scales. The fields are absolute LRs: `TrainingArguments.learning_rate`
-    is not used by Muon, and the Trainer's LR schedule multiplies every group's LR.
+    is not used by Muon (but to derive fine-tuning LRs, `for_fine_tuning`), and the Trainer's LR schedule multiplies
+    every group's LR.
     """
 
     LR_REFERENCE_HIDDEN_SIZE: ClassVar[int] = 768  # nanochat setup_optimizer: `(model_dim / 768) ** -0.5`
     # nanochat setup_optimizer: resid_lambdas "accumulate in the residual stream", 100x lower LR than the scalars
     RESIDUAL_SCALAR_LR_FACTOR: ClassVar[float] = 0.01
     VALUE_EMBEDDING_LR_FACTOR: ClassVar[float] = 0.5  # nanochat 6ed7d1d: value embeddings at half the embedding LR
+    # AdamW's update RMS relative to its LR, which Muon's update is matched to (Moonshot AI, "Muon is Scalable for LLM
+    # Training", arXiv 2502.16982, section 2.2: "0.2 · sqrt(max(A, B))" lets Muon run at AdamW's LR and weight decay)
+    ADAMW_UPDATE_RMS: ClassVar[float] = 0.2
 
     matrix_lr: float = field(default=0.02, metadata={
         "help": "--optim muon: LR of the Muon group (2-D weights of every nn.Linear but the output head; nanochat "
@@ -99,6 +104,38 @@ class GroupLearningRates:
             "residual_scalar": self.scalar_lr * self.RESIDUAL_SCALAR_LR_FACTOR * batch_lr_scale,
             "smear": self.smear_lr,
         }
+
+    @classmethod
+    def for_fine_tuning(cls, learning_rate: float, hidden_size: int, **given) -> "GroupLearningRates":
+        """Fine-tuning-scale group LRs for a base that Muon did not pretrain, derived from one AdamW learning rate:
+        the one rule (docs/design.md, decision 20). nanochat's group LRs (the defaults) are pretraining LRs that its
+        chat SFT inherits from a base Muon trained at them; on any other base they wreck the model (SmolLM2-135M:
+        eval loss 4.15 → 8.01 in 20 steps).
+
+        - `matrix_lr = ADAMW_UPDATE_RMS · √hidden_size · learning_rate` (0.2 · √576 · 2e-5 = 9.6e-5 at SmolLM2's
+          width): Muon's update then has the root-mean-square size of an AdamW update at `learning_rate`, as Moonshot
+          AI matched them (arXiv 2502.16982, section 2.2). The orthogonalised update `O` of a (rows, cols) matrix
+          has RMS 1/√max(rows, cols) (Muon+ sets ‖O‖_F = √min(rows, cols)) and MuonAdamW steps
+          `lr · √max(1, rows/cols) · O`, so the update's RMS is `0.2 · learning_rate` on every matrix with rows ≥
+          cols = hidden_size (attention, MLP up) and half that on an MLP down projection (cols = 4 · hidden_size).
+        - `embedding_lr`, `unembedding_lr`, `scalar_lr`, `smear_lr` = `learning_rate`: the AdamW groups train as an
+          AdamW fine-tuning of every weight would train them (`learning_rates` applies its usual factors: the
+          hidden-size scale, 1/100 for residual scalars, 1/2 for value embeddings); `l3_table_lr` and
+          `value_embedding_lr` follow `embedding_lr` (None).
+
+        Args:
+            learning_rate: the AdamW learning rate (`--learning_rate`), > 0.
+            hidden_size: the base's `hidden_size`.
+            given: fields set by the user, kept as given.
+
+        Raises:
+            TypeError: for a key of `given` that is no field.
+        """
+        matrix_lr = cls.ADAMW_UPDATE_RMS * hidden_size ** 0.5 * learning_rate
+        derived = {"matrix_lr": matrix_lr, "embedding_lr": learning_rate, "unembedding_lr": learning_rate,
+                   "scalar_lr": learning_rate, "smear_lr": learning_rate, "l3_table_lr": None,
+                   "value_embedding_lr": None}
+        return cls(**{**derived, **given})
 
     @classmethod
     def of(cls, values=None, **changes) -> "GroupLearningRates":

@@ -6,7 +6,8 @@ the trainers' output folders (`hfl3.trainers.output_mixins`) use it. One module 
 
 - `hashing`: `sha256_records` (`canonical_json`), `sha256_file`, `config_sha256` — what was trained on;
 - `versions`: `package_versions`, `git_commit`, `git_dirty` — the software that produced it;
-- `portable`: `portable` — no token and no absolute path of this machine in anything written;
+- `portable`: `portable` — no token and no absolute path of this machine in anything written; `is_secret` and
+  `redact` — no token in a message;
 - `metadata`: `build_metadata` (the dict), `stamp_folder` (written to all three places);
 - `lineage`: `base_lineage` (an output's `lineage`: its base's provenance, recursively, back to the corpus),
   `read_chain` and `format_chain` (`python -m hfl3.provenance show FOLDER`);
@@ -22,13 +23,13 @@ from hfl3.provenance.hashing import canonical_json, config_sha256, sha256_file, 
 from hfl3.provenance.hub import push_folder_to_hub
 from hfl3.provenance.lineage import base_lineage, format_chain, read_chain
 from hfl3.provenance.metadata import METADATA_FORMAT_VERSION, build_metadata, stamp_folder
-from hfl3.provenance.portable import SECRET_KEYS, portable
+from hfl3.provenance.portable import REDACTED, is_secret, portable, redact
 from hfl3.provenance.safetensors_header import add_safetensors_metadata, provenance_header
 from hfl3.provenance.versions import TRACKED_PACKAGES, git_commit, git_dirty, package_versions
 
 __all__ = [
     "METADATA_FORMAT_VERSION",
-    "SECRET_KEYS",
+    "REDACTED",
     "TRACKED_PACKAGES",
     "add_safetensors_metadata",
     "base_lineage",
@@ -38,11 +39,13 @@ __all__ = [
     "format_chain",
     "git_commit",
     "git_dirty",
+    "is_secret",
     "package_versions",
     "portable",
     "provenance_header",
     "push_folder_to_hub",
     "read_chain",
+    "redact",
     "sha256_file",
     "sha256_records",
     "stamp_folder",

@@ -5,9 +5,11 @@
 
 Each link says what it is (merged model, adapter, full SFT model, pretrained base, converted nanochat checkpoint, Hub
 model), when and from which git commit it was made, its data (record, token or corpus sha256, sources, counts) and
-its plan or LoRA settings (`hfl3.provenance.lineage`). It reads `FOLDER/metadata.json` only: the bases' provenance
-is copied into it when the output is written, so the chain shows even when a base folder is gone. Exit status 2, with
-one line, for a folder without `metadata.json` or with one that is not JSON.
+its plan or LoRA settings, and what trained it (MuonAdamW and its group LRs, or the Trainer's optimizer and its
+learning rate; `hfl3.provenance.lineage`). It reads `FOLDER/metadata.json` only: the bases' provenance is copied into
+it when the output is written, so the chain shows even when a base folder is gone. The first link is named FOLDER as
+given; the others as their outputs recorded them (without local paths). Exit status 2, with one line, for a folder
+without `metadata.json` or with one that is not JSON.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
         chain = read_chain(args.folder)
     except (FileNotFoundError, ValueError) as error:
         parser.exit(2, f"{parser.prog} show: error: {error}\n")
+    chain[0]["name"] = args.folder  # as written on the command line (read_chain's links hold no local path)
     print(json.dumps(chain, indent=2, ensure_ascii=False) if args.json else format_chain(chain))
 
 

@@ -13,8 +13,10 @@ what identifies it (`_MAX_ITEMS`, `_MAX_TEXT`), a few kilobytes at most whatever
 - `created_at`, `git_commit`, `git_dirty`, `versions`: when and with what the base was made;
 - `model`: the architecture's main fields (a pretraining run's config);
 - `data`: record, token or file hashes, sources and counts; `plan` (pretraining's compute-optimal plan), `lora`,
-  `training` (the few `TrainingArguments` that set the run), `results`, `base_model` (what the base's own run recorded
-  of its base), `note`.
+  `optimizer` (what trained it: MuonAdamW and its group LRs, or the Trainer's optimizer and its learning rate; from
+  the metadata's `optimizer`, else, for metadata written before it, from its `training_args`), `training` (the few
+  other `TrainingArguments` that set the run), `results`, `base_model` (what the base's own run recorded of its
+  base), `note`.
 
 A list or dict of more than `_MAX_ITEMS` items becomes `{"count": N, "sha256": D}`, D the `sha256_records` of its
 items as canonical JSON in order (a dict's as one-key objects `{key: value}`): a corpus's `files` list gives the same
@@ -46,8 +48,10 @@ _PLAN_KEYS = ("max_steps", "training_tokens", "total_batch_size", "max_length", 
               "learning_rates")
 _LORA_KEYS = ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
               "modules_to_save", "bias")
-_TRAINING_KEYS = ("learning_rate", "lr_scheduler_type", "num_train_epochs", "max_steps", "per_device_train_batch_size",
-                  "gradient_accumulation_steps", "max_length", "optim", "use_muon", "packing", "seed")
+_TRAINING_KEYS = ("lr_scheduler_type", "num_train_epochs", "max_steps", "per_device_train_batch_size",
+                  "gradient_accumulation_steps", "max_length", "packing", "seed")
+_GROUP_LR_KEYS = ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "l3_table_lr", "value_embedding_lr",
+                  "smear_lr", "init_lr_frac")
 _RESULT_WORDS = ("loss", "bpb", "perplexity", "accuracy", "core")  # what the model is, not speed or bookkeeping
 
 
@@ -123,7 +127,7 @@ def format_chain(chain: list[dict]) -> str:
                           if k in ("hfl3", "transformers", "trl", "peft"))]
         lines += _wrapped("made", "; ".join(part for part in made if part))
         lines += _wrapped("metadata.json sha256", link.get("metadata_sha256") or "")
-        for section in ("model", "data", "plan", "lora", "training", "results", "base_model"):
+        for section in ("model", "data", "plan", "lora", "optimizer", "training", "results", "base_model"):
             lines += _wrapped(section, _pairs(link.get(section) or {}))
         lines += _wrapped("note", link.get("note") or "")
     return "\n".join(lines)
@@ -201,6 +205,7 @@ def _describe(metadata: Mapping[str, Any]) -> dict:
         "data": _data(metadata),
         "plan": plan,
         "lora": _pick(metadata.get("lora"), _LORA_KEYS),
+        "optimizer": _optimizer(metadata.get("optimizer"), training),
         "training": _pick(training, tuple(key for key in _TRAINING_KEYS if key not in (plan or {}))),
         "results": {k: v for k, v in (metadata.get("results") or {}).items()
                     if isinstance(v, (int, float)) and any(word in k for word in _RESULT_WORDS)},
@@ -208,6 +213,17 @@ def _describe(metadata: Mapping[str, Any]) -> dict:
                                                          "config_sha256", "num_parameters")),
     }
     return _drop_none({key: _bounded(value) for key, value in link.items()})
+
+
+def _optimizer(recorded: Any, training: Mapping[str, Any]) -> dict | None:
+    """What trained a model: its metadata's `optimizer` section, else (written before it) what its `training_args`
+    say: with `use_muon`, MuonAdamW and the group LR fields (the LRs before the batch and `init_lr_frac` scales),
+    else `optim` and `learning_rate`."""
+    if isinstance(recorded, Mapping):
+        return dict(recorded)
+    if training.get("use_muon"):
+        return {"name": "MuonAdamW", **(_pick(training, _GROUP_LR_KEYS + ("weight_decay",)) or {})}
+    return _pick(training, ("optim", "learning_rate", "weight_decay"))
 
 
 def _kind(metadata: Mapping[str, Any]) -> str:

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -54,7 +55,8 @@ from hfl3.distributed import check_same_on_all_ranks, on_all_ranks, rank
 from hfl3.evaluate import check_core_bundle
 from hfl3.evaluate.chat_callback import check_chatcore_setup
 from hfl3.provenance.hub import is_hub_id
-from hfl3.trainers.flags import check_model_flags, refuse_flags
+from hfl3.provenance.portable import REDACTED, is_secret, redact
+from hfl3.trainers.flags import OPTIMIZER_BOUNDS, check_model_flags, refuse_flags, with_choices
 from hfl3.trainers.outputs import OutputFolder, base_model_hub_id, prepare_output_dir, safetensors_problem
 from hfl3.trainers.base_model import check_quantization_arguments
 from hfl3.trainers.sft_inheritance import decide_from_base
@@ -138,24 +140,51 @@ class RecipeParser(TrlParser):
         """The fields `args` set explicitly: keys of the `--config` YAML file and options on the command line
         (`--name`, `--name=value`, `--no_name`), by field name. A check tells a value the user chose from a default
         with it (a value equal to the default, given, counts as given)."""
-        names = set()
+        return frozenset(self._given_values(args))
+
+    def secret_values(self, args: Sequence[str]) -> list[str]:
+        """The values `args` give to fields that hold credentials (`is_secret`: `--hub_token`), on the command line
+        or in the `--config` file, for `redact`."""
+        return [str(value) for name, values in self._given_values(args).items() if is_secret(name)
+                for value in values if value not in (None, "")]
+
+    def _given_values(self, args: Sequence[str]) -> dict[str, list]:
+        """`{field name: [the values args give it]}` (an option without its value: none listed)."""
+        given: dict[str, list] = {}
         if "--config" in args and args.index("--config") + 1 < len(args):
             with contextlib.suppress(OSError, yaml.YAMLError):  # the parser reports an unreadable file itself
                 config = yaml.safe_load(Path(args[args.index("--config") + 1]).read_text())
-                names |= set(config) - {"env"} if isinstance(config, dict) else set()
-        for token in args:
-            action = self._option_string_actions.get(token.split("=", 1)[0]) if token.startswith("--") else None
+                for name, value in (config.items() if isinstance(config, dict) else ()):
+                    if name != "env":
+                        given.setdefault(name, []).append(value)
+        for index, token in enumerate(args):
+            option, equals, value = token.partition("=") if token.startswith("--") else (token, "", "")
+            action = self._option_string_actions.get(option) if token.startswith("--") else None
             if action is not None and action.dest not in ("help", "config"):
-                names.add(action.dest)
-        return frozenset(names)
+                following = args[index + 1] if not equals and index + 1 < len(args) else None
+                shown = value if equals else following if following and not following.startswith("--") else None
+                given.setdefault(action.dest, []).extend([shown] if shown is not None else [])
+        return given
 
 
 def launch_arguments(parsed: Sequence) -> dict[str, str]:
     """The parsed arguments (dataclass fields given at construction) as `{name: JSON text}`, without
-    `PER_MACHINE_ARGUMENTS`: what every machine of a launch must agree on."""
-    return {field.name: json.dumps(getattr(values, field.name), default=str, sort_keys=True)
-            for values in parsed for field in dataclasses.fields(values)
-            if field.init and field.name not in PER_MACHINE_ARGUMENTS}
+    `PER_MACHINE_ARGUMENTS`: what every machine of a launch must agree on. A credential (`is_secret`) is compared by
+    its sha256 (`<redacted sha256:...>`), so that a message naming a difference never shows it."""
+    def shown(name: str, value) -> str:
+        text = json.dumps(value, default=str, sort_keys=True)
+        if not is_secret(name) or value is None:
+            return text
+        return f"{REDACTED} (sha256 {hashlib.sha256(text.encode()).hexdigest()[:12]})"
+
+    return {field.name: shown(field.name, getattr(values, field.name)) for values in parsed
+            for field in dataclasses.fields(values) if field.init and field.name not in PER_MACHINE_ARGUMENTS}
+
+
+def parsed_secrets(*parsed) -> list[str]:
+    """The values of the parsed arguments' fields that hold credentials (`is_secret`), for `redact`."""
+    return [str(getattr(values, field.name)) for values in parsed for field in dataclasses.fields(values)
+            if is_secret(field.name) and isinstance(getattr(values, field.name), str)]
 
 
 def add_config_argument(parser):
@@ -184,7 +213,8 @@ def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
 
     Bad arguments: those argparse rejects (an invalid value, a missing one), flags no argument class declares, a
     `--config` file that cannot be read or is not a YAML mapping, and values an argument class rejects in its
-    `__post_init__` (`ValueError`/`TypeError`, e.g. `--eval_strategy bogus`).
+    `__post_init__` (`ValueError`/`TypeError`, e.g. `--eval_strategy bogus`). The message never shows a credential:
+    the values given to fields that hold one (`--hub_token`) and any `hf_...` token are `<redacted>`.
 
     Args:
         parser: the recipe's `TrlParser`, through `add_config_argument`.
@@ -193,10 +223,11 @@ def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
     Returns:
         The parsed dataclasses and the `RunSetup`, as `RecipeParser.parse_args_and_config` returns them.
     """
+    args = list(args) if args is not None else sys.argv[1:]
     try:
         return parser.parse_args_and_config(args)
     except (ValueError, TypeError, OSError, yaml.YAMLError) as error:
-        parser.error(str(error))
+        parser.error(redact(str(error), parser.secret_values(args)))
 
 
 def check_training_arguments(args) -> None:
@@ -205,16 +236,19 @@ def check_training_arguments(args) -> None:
     argument error).
 
     Raises:
-        ValueError: `learning_rate <= 0` (zero trains nothing, a negative rate climbs the loss); `max_steps` 0 or
-            below -1 (-1, the default, trains `num_train_epochs` epochs); `num_train_epochs <= 0` with
-            `max_steps = -1`.
+        ValueError: a value of `OPTIMIZER_BOUNDS` outside its range (`learning_rate <= 0`, a negative `--matrix_lr`,
+            `--adam_beta2 1`, ...); `max_steps` 0 or below -1 (-1, the default, trains `num_train_epochs` epochs, or in
+            pretraining sizes the run by the compute-optimal dial: `max_steps_meaning`); `num_train_epochs <= 0`
+            with `max_steps = -1`.
     """
-    if not args.learning_rate > 0:
-        raise ValueError(f"learning_rate={args.learning_rate}: expected a positive learning rate (0 trains nothing, "
-                         "a negative rate climbs the loss); e.g. --learning_rate 3e-4")
+    for name, bounds in OPTIMIZER_BOUNDS.items():
+        value = getattr(args, name, None)
+        if value is not None and not bounds.holds(value):
+            raise ValueError(f"{name}={value}: expected {bounds.expected} ({bounds.why}); e.g. --{name} "
+                             f"{bounds.example}")
     if args.max_steps == 0 or args.max_steps < -1:
         raise ValueError(f"max_steps={args.max_steps}: expected a positive number of optimizer steps, or -1 (the "
-                         "default) to train --num_train_epochs epochs")
+                         f"default) {getattr(args, 'max_steps_meaning', 'to train --num_train_epochs epochs')}")
     if args.max_steps == -1 and not args.num_train_epochs > 0:
         raise ValueError(f"num_train_epochs={args.num_train_epochs} with max_steps=-1 trains nothing: pass a "
                          "positive --num_train_epochs or --max_steps")
@@ -472,20 +506,24 @@ def decide_evaluation(training_args, has_eval_data: bool, resuming: bool) -> Eva
 
     Raises:
         ValueError: an evaluation strategy, best-model loading or step-0 evaluation asked for without evaluation
-            data; early stopping without evaluation (data, a strategy other than `no`, and best-model loading).
+            data; early stopping without evaluation (data, a strategy other than `no`, and best-model loading). A
+            value the configuration chose for the user that the message names is said to be one (`hfl3_choices`,
+            `hfl3.trainers.flags.with_choices`).
     """
     strategy = IntervalStrategy(training_args.eval_strategy)
+    choices = getattr(training_args, "hfl3_choices", {})  # values a refusal must say hfl3 chose (ChatSFTConfig)
     if not has_eval_data and getattr(training_args, "evaluate_by_default", False):
         logger.info("no --dataset_test_split, --val_split or --eval_file: training without evaluation (no "
                     "best-model selection)")
         strategy = IntervalStrategy.NO
     elif not has_eval_data and strategy != IntervalStrategy.NO:
-        raise ValueError(f"eval_strategy={strategy.value} needs --dataset_test_split, --val_split or --eval_file")
+        raise ValueError(with_choices(f"eval_strategy={strategy.value} needs --dataset_test_split, --val_split or "
+                                      "--eval_file", choices))
     enabled = has_eval_data and strategy != IntervalStrategy.NO
     if getattr(training_args, "early_stopping_patience", None) and not (enabled and
                                                                          training_args.load_best_model_at_end):
-        raise ValueError("--early_stopping_patience needs evaluation: evaluation data, an --eval_strategy other than "
-                         "no, and --load_best_model_at_end true")
+        raise ValueError(with_choices("--early_stopping_patience needs evaluation: evaluation data, an --eval_strategy "
+                                      "other than no, and --load_best_model_at_end true", choices))
     if training_args.eval_on_start and not enabled:
         raise ValueError("--eval_on_start true needs evaluation: evaluation data and an --eval_strategy other than no")
     on_start = enabled and (not resuming if training_args.eval_on_start is None else training_args.eval_on_start)

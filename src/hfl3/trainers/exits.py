@@ -26,10 +26,12 @@ from pathlib import Path
 
 from hfl3.distributed import end_distributed_run, lost_peer_message
 from hfl3.errors import InputError
-from hfl3.trainers.arguments import parse_recipe_args
+from hfl3.provenance.portable import redact
+from hfl3.trainers.arguments import parse_recipe_args, parsed_secrets
 from hfl3.trainers.guards import NonFiniteTrainingError
 from hfl3.trainers.launch import LOG_FORMAT, LaunchError
 from hfl3.trainers.outputs import STAGING, OutputFolder, latest_checkpoint
+from hfl3.trainers.recipe_log import recipe_log
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +40,16 @@ INPUT_ERRORS = (InputError, LaunchError)
 
 
 class RecipeEnding:
-    """What `recipe_exits` needs to say how a run ended: its output folder, once the arguments are parsed."""
+    """What `recipe_exits` needs to say how a run ended: its output folder and the credentials its line must not
+    show, once the arguments are parsed."""
 
     output: OutputFolder | None = None
+    secrets: tuple[str, ...] = ()
 
 
-def _say(prog: str | None, message: str) -> None:
+def _say(prog: str | None, message: str, secrets=()) -> None:
     # one write of the whole line: the ranks of a launch print at the same moment into one unbuffered stream
-    sys.stderr.write(f"{prog or os.path.basename(sys.argv[0])}: error: {message}\n")
+    sys.stderr.write(f"{prog or os.path.basename(sys.argv[0])}: error: {redact(message, secrets)}\n")
     sys.stdout.flush()
     sys.stderr.flush()
 
@@ -87,11 +91,11 @@ def recipe_exits(prog: str | None = None) -> Iterator[RecipeEnding]:
         yield ending
     except INPUT_ERRORS as error:
         discard_staging(ending.output)
-        _say(prog, str(error))
+        _say(prog, str(error), ending.secrets)
         sys.exit(2)
     except NonFiniteTrainingError as error:
         discard_staging(ending.output)
-        _say(prog, str(error))
+        _say(prog, str(error), ending.secrets)
         sys.exit(1)
     except KeyboardInterrupt:
         discard_staging(ending.output)
@@ -112,11 +116,13 @@ def recipe_exits(prog: str | None = None) -> Iterator[RecipeEnding]:
 def run_recipe(parser, main: Callable[..., object], args: list[str] | None = None) -> None:
     """A recipe's `__main__`: log lines in `LOG_FORMAT`, parse (`parse_recipe_args` over the script, model and
     training argument classes, in that order), `main(script_args, training_args, model_args, setup)` (TRL's order,
-    and the `RunSetup`), then end every rank through `end_distributed_run` (exit status 0); inside `recipe_exits`."""
+    and the `RunSetup`), then end every rank through `end_distributed_run` (exit status 0); inside `recipe_exits`,
+    and `recipe_log` (no credential in the log, another library's repeated warnings once, with their counts)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    with recipe_exits() as ending:
+    with recipe_exits() as ending, recipe_log() as log:
         script_args, model_args, training_args, setup = parse_recipe_args(parser, args)
-        ending.output = setup.output
+        ending.output, ending.secrets = setup.output, tuple(parsed_secrets(script_args, model_args, training_args))
+        log.secrets = ending.secrets
         main(script_args, training_args, model_args, setup)
     end_distributed_run()  # every rank: the others done, the process group destroyed, outputs flushed, exit 0

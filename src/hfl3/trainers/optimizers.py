@@ -32,8 +32,9 @@ MUON = "muon"
 class MuonTrainingArguments(GroupLearningRates):
     """The optimizer fields a recipe's `TrainingArguments` adds: `use_muon` (`--optim muon`), the Muon group LRs
     (`GroupLearningRates`: `matrix_lr`, `embedding_lr`, ... declared there once, with their nanochat sources), the
-    warmdown of the `warmup_stable_decay` schedule, and `batch_lr_scale` (set by the compute-optimal plan, or
-    inherited by SFT from its base). Call `take_muon_out_of_optim` first in `__post_init__`."""
+    warmdown of the `warmup_stable_decay` schedule, `batch_lr_scale` (set by the compute-optimal plan, or inherited by
+    SFT from its base) and `group_lrs_from_learning_rate` (set by SFT when it derives the group LRs from
+    `learning_rate`, `hfl3.trainers.sft_inheritance`). Call `take_muon_out_of_optim` first in `__post_init__`."""
 
     use_muon: bool = field(default=False, metadata={"help": "train with hfl3's MuonAdamW (Muon for the hidden "
                                                     "matrices, AdamW for the rest; group LRs *_lr) instead of the "
@@ -43,15 +44,17 @@ class MuonTrainingArguments(GroupLearningRates):
     final_lr_frac: float = field(default=0.0, metadata={"help": "LR at the end of the warmdown, as a fraction"})
     batch_lr_scale: float = field(default=1.0, init=False, metadata={
         "help": "√(total_batch_size / 2^19), set by the compute-optimal plan; multiplies every group's LR"})
+    group_lrs_from_learning_rate: bool = field(default=False, init=False, metadata={
+        "help": "the group LRs were derived from learning_rate (SFT on a base Muon did not pretrain: "
+                "GroupLearningRates.for_fine_tuning)"})
 
     def take_muon_out_of_optim(self) -> None:
         """`optim="muon"` → `use_muon=True`, `optim="adamw_torch"` (module docstring).
 
         Raises:
-            ValueError: `use_muon` with another `optim`; `warmdown_ratio` outside [0, 1].
+            ValueError: `use_muon` with another `optim` (the ranges of the Muon fields:
+                `hfl3.trainers.arguments.check_training_arguments`).
         """
-        if not 0 <= self.warmdown_ratio <= 1:
-            raise ValueError(f"warmdown_ratio={self.warmdown_ratio} must be in [0, 1]")
         if self.optim == MUON:
             self.use_muon, self.optim = True, "adamw_torch"
         elif self.use_muon and self.optim != "adamw_torch":
@@ -132,3 +135,20 @@ class OptimizerMixin:
             save_optimizer_state(getattr(self.optimizer, "optimizer", self.optimizer),
                                  self.accelerator.unwrap_model(self.model, keep_torch_compile=False), path)
         return path
+
+
+def optimizer_metadata(args, model) -> dict:
+    """What trains `model` with `args`, for an output's `metadata.json` (`optimizer`) and `python -m hfl3.provenance
+    show`: MuonAdamW's group LRs at their peak (the groups `create_optimizer` builds: `param_groups_by_kind` with the
+    batch LR scale and SFT's `init_lr_frac`), the Muon weight decay and, where SFT derived them, the learning rate
+    they came from (`GroupLearningRates.for_fine_tuning`); else the Trainer's optimizer and its learning rate."""
+    optim = getattr(args.optim, "value", args.optim)
+    if not getattr(args, "use_muon", False):
+        return {"name": optim, "learning_rate": args.learning_rate, "weight_decay": args.weight_decay}
+    from hfl3.optim import param_groups_by_kind
+
+    scale = args.batch_lr_scale * getattr(args, "init_lr_frac", 1.0)
+    groups = param_groups_by_kind(model, args, batch_lr_scale=scale)
+    derived = {"from_learning_rate": args.learning_rate} if args.group_lrs_from_learning_rate else {}
+    return {"name": "MuonAdamW", "learning_rates": {group["name"]: group["lr"] for group in groups},
+            "weight_decay": args.weight_decay, **derived}

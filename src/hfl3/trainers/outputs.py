@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,7 +182,8 @@ def prepare_output_dir(args, refuse: bool = True) -> OutputFolder:
     Raises:
         FileExistsError: `output_dir` is a file, or holds files and the run neither resumes nor has
             `--overwrite_output_dir`.
-        PermissionError: `output_dir` cannot be created or written (its nearest existing folder is not writable).
+        PermissionError: `output_dir` cannot be created or written (a probe file cannot be created in its nearest
+            existing folder: `write_problem`).
         FileNotFoundError: `--resume_from_checkpoint PATH` is not a folder.
         ValueError: `--push_to_hub` without a valid `--hub_model_id`, or offline (`HF_HUB_OFFLINE=1`); the
             checkpoint given is incomplete; a setup across machines that cannot keep its checkpoints whole
@@ -200,17 +202,36 @@ def prepare_output_dir(args, refuse: bool = True) -> OutputFolder:
 
 
 def check_output_dir(args) -> None:
-    """This machine's side of `prepare_output_dir`: `output_dir` can be a folder this user writes; a push could
-    happen."""
+    """This machine's side of `prepare_output_dir`: `output_dir` can be a folder this user writes (`write_problem`);
+    a push could happen."""
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise FileExistsError(f"--output_dir {output_dir}: is a file; expected a folder (created if missing)")
     existing = next(folder for folder in (output_dir, *output_dir.absolute().parents) if folder.exists())
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if problem := write_problem(existing):
         raise PermissionError(f"--output_dir {output_dir}: {'it' if existing == output_dir else existing} is not "
-                              "writable; expected a folder this user can create and write")
+                              f"writable (a probe file could not be created there: {problem}); expected a folder "
+                              "this user can create and write")
     if args.push_to_hub:
         check_push_arguments(args)
+
+
+def write_problem(folder: Path) -> str | None:
+    """Why a file cannot be written in the existing `folder` (the OS error's words), or None: proven by creating a
+    probe folder with a file in it, and removing both. Not `os.access`, which tells root yes for `/proc` and `/sys`
+    (a run there read its corpus and trained its tokenizer, then died saving) and knows nothing of read-only or full
+    file systems."""
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=".hfl3-write-probe-", dir=folder))
+    except OSError as error:
+        return error.strerror or type(error).__name__
+    try:
+        (probe / "probe").write_bytes(b"hfl3")
+    except OSError as error:
+        return error.strerror or type(error).__name__
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    return None
 
 
 def check_machines(args, disks: SeparateDisks) -> None:

@@ -5,6 +5,7 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -75,6 +76,9 @@ class PretrainConfig(MuonTrainingArguments, TrainingArguments):
     (transformers v5).
     """
 
+    max_steps_meaning: ClassVar[str] = (  # what -1 means, in check_training_arguments' refusal of max_steps
+        "to size the run by the compute-optimal dial: --target_flops, else --target_param_data_ratio tokens per "
+        "scaling parameter (pretraining streams its data: it takes no --num_train_epochs)")
     _argument_group_name = ("training (PretrainConfig: transformers.TrainingArguments; hfl3's fields last: "
                             "the Muon group LRs matrix_lr ..., max_length, use_muon, warmdown_ratio, fp8, the "
                             "compute-optimal dial target_param_data_ratio, target_flops, total_batch_size)")

@@ -22,6 +22,7 @@ from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes
 from hfl3.trainers.arguments import RunSetup, apply_evaluation
 from hfl3.trainers.compute_optimal import REFERENCE_DEPTH, ComputeOptimalPlan, compute_optimal_plan, parameter_counts
+from hfl3.trainers.optimizers import optimizer_metadata
 from hfl3.trainers.outputs import OutputFolder
 from hfl3.trainers.pretrain import BitsPerByte, PackedCollator, PretrainConfig, PretrainTrainer
 from hfl3.trainers.pretrain_data import (
@@ -214,6 +215,7 @@ def finish_pretraining(run: PretrainRun, results: dict) -> None:
         data=data_metadata(run.script_args, run.data, trainer.stream_summary()),  # every rank: what each trained on
         model=trainer.model.config.to_dict(), script_args=asdict(run.script_args), model_args=asdict(run.model_args),
         training_args=trainer.args.to_dict(), compute_optimal=run.plan.as_dict(), results=results,
+        optimizer=optimizer_metadata(trainer.args, trainer.accelerator.unwrap_model(trainer.model)),
         evaluation={"core": core.latest.summary()} if core and core.latest else {},
     )
     with trainer.finish_output():  # staged, committed whole: weights, tokenizer, metadata.json, card, results, plot

@@ -23,6 +23,7 @@ from hfl3.provenance import base_lineage, stamp_folder
 from hfl3.trainers.arguments import check_training_arguments
 from hfl3.trainers.base_model import merge_adapter
 from hfl3.trainers.cards import sft_model_card, usage_name
+from hfl3.trainers.flags import with_choices
 from hfl3.trainers.guards import NonFiniteGuard
 from hfl3.trainers.launch import set_up_cpu_process_group
 from hfl3.trainers.optimizers import MuonTrainingArguments, OptimizerMixin
@@ -56,8 +57,11 @@ class ChatSFTConfig(ChatCoreArguments, MuonTrainingArguments, SFTConfig):
         save_strategy: None -> "steps" when `save_steps` is given (transformers' and TRL's default strategy), else
             `eval_strategy` ("epoch" when that is "no"); with "steps", `save_steps` follows `eval_steps` unless given
             (a checkpoint at every evaluation, as `load_best_model_at_end` needs).
-        load_best_model_at_end: None -> True when evaluating and the checkpoints follow the evaluations (a
-            `save_steps` given alone against epoch evaluations: False); metric_for_best_model: "eval_loss".
+        load_best_model_at_end: None -> True when evaluating and the checkpoints follow the evaluations, else False
+            with a log line saying why (`best_model_problem`: `--save_strategy no`, a `save_steps` given alone
+            against epoch evaluations); metric_for_best_model: "eval_loss".
+    A refusal that involves a value chosen here (`hfl3_choices`) says so and names the flag that changes it
+    (`hfl3.trainers.flags.with_choices`).
         save_total_limit: 2 (the best and the latest checkpoint survive).
         eval_on_start: None -> True when there is evaluation data and the run does not resume
             (`hfl3.trainers.arguments.decide_evaluation`); reported as `eval_before_*`
@@ -138,29 +142,55 @@ class ChatSFTConfig(ChatCoreArguments, MuonTrainingArguments, SFTConfig):
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         self.evaluate_by_default = self.eval_strategy is None and not self.load_best_model_at_end
+        choices = {}  # what hfl3 chose for the user: {field: what a refusal naming it adds}
         if self.eval_strategy is None:
             self.eval_strategy = "epoch"
+            choices["eval_strategy"] = "hfl3's default with evaluation data"
         evaluating = IntervalStrategy(self.eval_strategy) != IntervalStrategy.NO
         steps_evaluation = IntervalStrategy(self.eval_strategy) == IntervalStrategy.STEPS
         if self.save_strategy is None:
             if self.save_steps is not None:  # a step count given alone saves by steps, as the Trainer's default does
                 self.save_strategy = "steps"
-                if self.load_best_model_at_end is None and evaluating and not steps_evaluation:
-                    logger.info("--save_steps %g with epoch evaluations: no best-model selection (it needs a "
-                                "checkpoint at every evaluation; add --eval_strategy steps --eval_steps %g)",
-                                self.save_steps, self.save_steps)
-                    self.load_best_model_at_end = False
+                choices["save_strategy"] = "hfl3's choice for a --save_steps given alone"
             else:
                 self.save_strategy = self.eval_strategy if evaluating else "epoch"
+                choices["save_strategy"] = "hfl3's default: as --eval_strategy"
                 if steps_evaluation:
                     self.save_steps = self.eval_steps or self.logging_steps
+                    choices["save_steps"] = "hfl3's default: --eval_steps"
         if self.save_steps is None:
             self.save_steps = 500  # transformers' default
         if self.load_best_model_at_end is None:
-            self.load_best_model_at_end = evaluating
+            problem = self.best_model_problem() if evaluating else None
+            if problem:
+                logger.info("no best-model selection (hfl3's default when evaluating is off here): %s", problem)
+            self.load_best_model_at_end = evaluating and problem is None
+            choices["load_best_model_at_end"] = ("hfl3's default when evaluating" if self.load_best_model_at_end else
+                                                 "hfl3's default where no checkpoint follows every evaluation")
         if self.dataset_kwargs is None and not self.packing and not self.eval_packing:
             self.dataset_kwargs = {"skip_prepare_dataset": True}
-        super().__post_init__()
+        self.hfl3_choices = {name: f"{name}={getattr(getattr(self, name), 'value', getattr(self, name))} is {why}, "
+                             f"not a value you gave; --{name} changes it" for name, why in choices.items()}
+        try:
+            super().__post_init__()
+        except ValueError as error:  # transformers' checks of the save and evaluation settings, among others
+            raise ValueError(with_choices(str(error), self.hfl3_choices)) from None
+
+    def best_model_problem(self) -> str | None:
+        """Why the checkpoints do not follow the evaluations, which best-model selection needs (transformers'
+        rule: the same strategy, or `--save_strategy best`; by steps, `--save_steps` a multiple of `--eval_steps`),
+        naming the flags; None when they do."""
+        save, evaluation = IntervalStrategy(self.save_strategy).value, IntervalStrategy(self.eval_strategy).value
+        if save == "best":
+            return None
+        if save != evaluation:
+            return (f"--save_strategy {save} with --eval_strategy {evaluation} keeps no checkpoint of every "
+                    f"evaluation to pick the best from; pass --save_strategy {evaluation} for it")
+        eval_steps = self.eval_steps or self.logging_steps
+        if save == "steps" and eval_steps >= 1 and self.save_steps >= 1 and self.save_steps % eval_steps:
+            return (f"--save_steps {self.save_steps:g} is not a multiple of --eval_steps {eval_steps:g}; pass a "
+                    "multiple for it")
+        return None
 
 
 class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  # any order of the mixins (decision 19)

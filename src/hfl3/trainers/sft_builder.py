@@ -19,6 +19,7 @@ from hfl3.provenance import base_lineage, build_metadata, config_sha256
 from hfl3.trainers.arguments import RunSetup, apply_evaluation, check_sft_arguments, decide_evaluation
 from hfl3.trainers.base_model import load_base_model, quantization_metadata
 from hfl3.trainers.guards import check_vocabulary_fits
+from hfl3.trainers.optimizers import optimizer_metadata
 from hfl3.trainers.outputs import base_model_hub_id, work_dir
 from hfl3.trainers.sft import ChatSFTConfig, ChatSFTTrainer, save_merged_model, save_samples
 from hfl3.trainers.sft_inheritance import decide_from_base
@@ -168,7 +169,7 @@ def build_sft_trainer(script_args: SFTScriptArguments, training_args: ChatSFTCon
                     "hub_id": base_model_hub_id(model_args.model_name_or_path, model_args.base_model_hub_id),
                     "model_type": model.config.model_type, "config_sha256": config_sha256(model.config),
                     "num_parameters": model.num_parameters(), "quantization": quantization_metadata(model)},
-        training_args=training_args.to_dict(),
+        training_args=training_args.to_dict(), optimizer=optimizer_metadata(training_args, model),
         lineage=base_lineage(model_args.model_name_or_path, model_args.model_revision, model_args.gguf_file),
     )
     patience = training_args.early_stopping_patience  # the step-0 evaluation does not count (transformers' rule)

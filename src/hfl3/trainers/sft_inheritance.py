@@ -7,10 +7,13 @@ optimizer's state, unless given. Decided once, while the arguments are parsed (`
 |---|---|---|
 | `max_length`, `per_device_train_batch_size` | `training_args` | every weight trained (`--use_peft false`) |
 | `gradient_accumulation_steps` | `compute_optimal.total_batch_size` tokens / (rows × `max_length` × processes) | none of the three given |
-| `matrix_lr`, `embedding_lr`, ... (`GroupLearningRates`), `batch_lr_scale` | `training_args`, `compute_optimal.lr_scale` | with `--optim muon` |
+| `matrix_lr`, `embedding_lr`, ... (`GroupLearningRates`), `batch_lr_scale` | `training_args`, `compute_optimal.lr_scale` | with `--optim muon`, from a base pretrained with Muon |
 | the optimizer's state (`--load_optimizer`) | the base's `optimizer/optimizer.safetensors` | its optimizer is this run's |
 
-A full fine-tuning with AdamW takes TRL's learning rate, 2e-5, unless given (hfl3's 2e-4 is LoRA's).
+A full fine-tuning takes TRL's learning rate, 2e-5, unless given (hfl3's 2e-4 is LoRA's): with AdamW, and with Muon
+on a base that Muon did not pretrain (any base but a `recipes/pretrain.py --optim muon` output), whose group LRs not
+given are then derived from `--learning_rate` by one rule, `GroupLearningRates.for_fine_tuning` (nanochat's
+pretraining-scale LRs wreck such a base), each logged with its source.
 """
 
 from __future__ import annotations
@@ -73,13 +76,18 @@ def decide_from_base(model_args, training_args, given: frozenset[str]) -> tuple[
     Raises:
         InputError: `--load_optimizer true` where it cannot act (LoRA, no state file, another optimizer's state,
             another model's shapes, DeepSpeed or FSDP); a base total batch the rows, length and processes do not
-            divide.
+            divide; Muon on a base that Muon did not pretrain whose config gives no `hidden_size` for
+            `for_fine_tuning`, without `--matrix_lr`.
     """
     settings: dict[str, tuple] = {}
     full = not model_args.use_peft
-    if full and not training_args.use_muon and "learning_rate" not in given:
-        settings["learning_rate"] = (FULL_FINE_TUNING_LEARNING_RATE, "full fine-tuning's default (TRL's SFTConfig)")
     base = pretraining_metadata(model_args.model_name_or_path) if full else None
+    muon_base = base is not None and bool(base["training_args"].get("use_muon"))
+    if full and "learning_rate" not in given and not (training_args.use_muon and muon_base):
+        settings["learning_rate"] = (FULL_FINE_TUNING_LEARNING_RATE, "full fine-tuning's default (TRL's SFTConfig)")
+    if full and training_args.use_muon and not muon_base:
+        settings.update(fine_tuning_learning_rates(model_args, training_args, given, base is not None,
+                                                   settings.get("learning_rate", (training_args.learning_rate,))[0]))
     if base is not None:
         pretrain_args, plan = base["training_args"], base["compute_optimal"] or {}
         source = "the base's metadata.json"
@@ -99,13 +107,57 @@ def decide_from_base(model_args, training_args, given: frozenset[str]) -> tuple[
             settings["gradient_accumulation_steps"] = (
                 total // per_step, f"{source}, compute_optimal.total_batch_size {total} tokens / ({rows} rows x "
                 f"{length} tokens x {training_args.world_size} processes)")
-        if training_args.use_muon:
+        if training_args.use_muon and muon_base:
             for name in LEARNING_RATES:
                 if name not in given and pretrain_args.get(name) is not None:
                     settings[name] = (pretrain_args[name], f"{source}, training_args.{name}")
             if plan.get("lr_scale"):
                 settings["batch_lr_scale"] = (plan["lr_scale"], f"{source}, compute_optimal.lr_scale")
     return settings, _optimizer_state(model_args, training_args)
+
+
+def fine_tuning_learning_rates(model_args, training_args, given: frozenset[str], hfl3_base: bool,
+                               learning_rate: float) -> dict[str, tuple]:
+    """The group LRs not `given` of a Muon run on a base that Muon did not pretrain, derived from `learning_rate` by
+    `GroupLearningRates.for_fine_tuning` (the base's `hidden_size` read from its config), as `decide_from_base`'s
+    settings, and `group_lrs_from_learning_rate` (which keeps MuonAdamW from warning that the LR is unused).
+
+    Raises:
+        InputError: `matrix_lr` not given and the base's config gives no `hidden_size`.
+    """
+    why = ("the base was pretrained by recipes/pretrain.py without Muon" if hfl3_base else
+           "the base was not pretrained with Muon by recipes/pretrain.py")
+    hidden_size = None if "matrix_lr" in given else base_hidden_size(model_args, training_args)
+    if "matrix_lr" not in given and hidden_size is None:
+        raise InputError(f"--optim muon on {model_args.model_name_or_path}: {why}, so its group LRs are derived from "
+                         "--learning_rate and its hidden_size (GroupLearningRates.for_fine_tuning), which its config "
+                         "does not give; pass --matrix_lr (and --embedding_lr, --unembedding_lr, --scalar_lr)")
+    derived = GroupLearningRates.for_fine_tuning(learning_rate, hidden_size or 0)
+    rule = (f"--learning_rate {learning_rate:g} by GroupLearningRates.for_fine_tuning: matrix_lr = 0.2 x "
+            f"sqrt(hidden_size {hidden_size}) x learning_rate, Muon's update at AdamW's RMS (Moonshot AI, arXiv "
+            "2502.16982, section 2.2); the AdamW groups' = learning_rate")
+    settings = {"group_lrs_from_learning_rate": (True, f"{why}: fine-tuning-scale group LRs from {rule}")}
+    for name in LEARNING_RATES:
+        value = getattr(derived, name)
+        if name not in given and value is not None:
+            settings[name] = (value, f"--learning_rate {learning_rate:g}, fine-tuning scale ({why})")
+    return settings
+
+
+def base_hidden_size(model_args, training_args) -> int | None:
+    """The base's `hidden_size` (of its text config) from its config (a folder's `config.json`, a cached Hub
+    model's, a GGUF file's), or None when it has none or cannot be read."""
+    from transformers import AutoConfig
+
+    options = {"revision": model_args.model_revision, "gguf_file": model_args.gguf_file,
+               "trust_remote_code": training_args.trust_remote_code}
+    try:
+        config = AutoConfig.from_pretrained(model_args.model_name_or_path,
+                                            **{key: value for key, value in options.items() if value is not None})
+    except Exception:  # noqa: BLE001 (whatever transformers raises for a config it cannot read: no hidden size)
+        return None
+    hidden_size = getattr(config.get_text_config(), "hidden_size", None)
+    return hidden_size if isinstance(hidden_size, int) and hidden_size > 0 else None
 
 
 def _optimizer_state(model_args, training_args) -> Path | None:

@@ -8,6 +8,8 @@ import math
 
 from transformers.trainer_utils import IntervalStrategy
 
+from hfl3.trainers.recipe_log import cover_new_handlers
+
 logger = logging.getLogger(__name__)
 
 LOGGED = ("eval_before_loss", "eval_before_bpb", "eval_loss", "eval_bpb", "eval_perplexity",
@@ -31,6 +33,7 @@ def train_and_evaluate(trainer) -> dict:
     run, resumes included), the final evaluation's `eval_*`, what the trainer adds (`run_results()`: pretraining's
     CORE metric, SFT's supervised tokens and their rate), `global_step` and `best_model_checkpoint`. Call on every
     rank."""
+    cover_new_handlers()  # the log handlers created while the run was built (DeepSpeed's, an integration's)
     train_result = trainer.train()
     results = {**eval_before(trainer.state.log_history), **train_result.metrics}
     if IntervalStrategy(trainer.args.eval_strategy) != IntervalStrategy.NO and trainer.eval_dataset is not None:
