@@ -317,6 +317,7 @@ NOT_CREDENTIALS = {  # fields named like a credential that hold none
     "eos_token": "a vocabulary token's text (the masks' end of turn)",
     "pad_token": "a vocabulary token's text (TRL's collator)",
     "max_new_tokens": "a count of tokens",
+    "chatcore_max_new_tokens": "a count of tokens (ChatCORE's generations)",
     "l3_sample_tokens": "a count of tokens",
     "tokenizer_train_chars": "a count of characters",
     "tokenizer_name_or_path": "a tokenizer's folder or Hub id",
