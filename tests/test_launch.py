@@ -1,12 +1,14 @@
-"""Quiet launches: `import hfl3` prints nothing (torchao's import-time warnings are kept for the AO FP8 backend),
-hfl3.fp8 works without torchao, a bad recipe argument is one clear message, not a traceback, and a distributed setup
-that accelerate silently replaced (fsdp2.yaml on a CPU machine trains as DDP) is refused with one line naming the
-config to use (the real `accelerate launch`: tests/distributed/test_accelerate_configs.py); and every rank of a
-multi-process run ends through `end_distributed_run` at exit status 0 with what it wrote flushed, while a rank that
-raised still fails the launch."""
+"""Quiet launches: `import hfl3` prints nothing (torchao's import-time warnings are kept for the AO FP8 backend;
+bitsandbytes' one about Hub kernels on CPUs with AVX512-BF16 is dropped), hfl3.fp8 works without torchao, a bad
+recipe argument is one clear message, not a traceback, and a distributed setup that accelerate silently replaced
+(fsdp2.yaml on a CPU machine trains as DDP) is refused with one line naming the config to use (the real `accelerate
+launch`: tests/distributed/test_accelerate_configs.py); and every rank of a multi-process run ends through
+`end_distributed_run` at exit status 0 with what it wrote flushed, while a rank that raised still fails the launch."""
 
 import importlib.util
+import inspect
 import json
+import logging
 import os
 import re
 import subprocess
@@ -16,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import hfl3
 from hfl3.trainers.exits import recipe_exits
 from hfl3.distributed import end_distributed_run
 from hfl3.trainers.arguments import parse_recipe_args
@@ -64,6 +67,21 @@ def test_import_hfl3_is_silent_and_keeps_torchao_messages_for_the_ao_backend():
     assert all(message in at_ao_backend for message in kept)
     if importlib.util.find_spec("torchao") is not None:
         assert kept, "torchao's import printed nothing here: nothing to keep, and this test tells nothing"
+
+
+def test_import_hfl3_drops_only_bitsandbytes_kernels_hub_message(caplog):
+    # bitsandbytes logs it at import only on a CPU with AVX512-BF16 (hfl3.BITSANDBYTES_KERNELS_HUB_MESSAGE); here it is
+    # logged by hand, so the filter is checked on any CPU, and looked up in bitsandbytes' source, so a reworded message
+    # (which the filter would let through) fails this test on any CPU, not only the launches on such a CPU
+    ops = pytest.importorskip("bitsandbytes.backends.cpu.ops")
+    assert f'"{hfl3.BITSANDBYTES_KERNELS_HUB_MESSAGE}"' in inspect.getsource(ops)
+    with caplog.at_level(logging.WARNING):
+        ops.logger.warning(hfl3.BITSANDBYTES_KERNELS_HUB_MESSAGE, ModuleNotFoundError("No module named 'kernels'"))
+        ops.logger.warning("Failed to load CPU gemm_4bit_forward: %s", "another message of the same logger")
+        logging.getLogger("bitsandbytes").warning(hfl3.BITSANDBYTES_KERNELS_HUB_MESSAGE, "another logger")
+    assert [(record.name, record.getMessage()) for record in caplog.records] == [
+        ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward: another message of the same logger"),
+        ("bitsandbytes", hfl3.BITSANDBYTES_KERNELS_HUB_MESSAGE % "another logger")]
 
 
 def test_fp8_without_torchao():

@@ -78,6 +78,12 @@ def linear_layers(model) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
 
 
+def repacked_layers(model) -> list[str]:
+    """The 4-bit layers whose weights bitsandbytes repacked for its CPU kernel (`hfl3.trainers.base_model`)."""
+    return [name for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear4bit)
+            and getattr(module.weight.quant_state, "packing_format_for_cpu", False)]
+
+
 # ---- loading -------------------------------------------------------------------------------------------------------
 
 
@@ -249,6 +255,12 @@ def test_merge_into_the_dequantized_base_equals_the_adapter_model(qwen3_folder, 
     with torch.no_grad():
         expected = peft_model(input_ids=gsm8k_ids).logits.float()
         peft_merge = copy.merge_and_unload()(input_ids=gsm8k_ids).logits.float()
+    # The tolerance below is for bitsandbytes' dequantize-and-matmul path in the compute dtype, which load_base_model
+    # keeps on every CPU. On one with AVX512-BF16 this forward used to repack the weights for bitsandbytes' bfloat16
+    # CPU kernel, and the merge then dequantized the down projections with transposed scales (float32: logits 0.061
+    # off, 3.6 % of the largest, against 0.0002; that kernel's own bfloat16 round-off, which a wider tolerance would
+    # have covered, is 0.4-0.6 % of the largest logit)
+    assert not repacked_layers(peft_model)
     merged = merge_adapter(peft_model)
     assert not [name for name, layer in linear_layers(merged).items() if isinstance(layer, bnb.nn.Linear4bit)]
     assert merged.dtype == getattr(torch, dtype) and getattr(merged.config, "quantization_config", None) is None
@@ -264,6 +276,50 @@ def test_merge_into_the_dequantized_base_equals_the_adapter_model(qwen3_folder, 
     assert type(reloaded.model.layers[0].self_attn.q_proj) is torch.nn.Linear
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=gsm8k_ids).logits.float(), logits)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_merge_undoes_bitsandbytes_cpu_repacking(qwen3_folder, tmp_path, nested):
+    # A base not loaded by load_base_model, run in eval mode on a CPU with AVX512-BF16, has its 4-bit weights repacked
+    # for bitsandbytes' CPU kernel (base_model's docstring); the repacking is applied here as Linear4bit.forward does
+    # (a layout change in plain torch, so on any CPU) and the merge must equal the merge of the same model unrepacked.
+    # Nested scales too: bitsandbytes' own inverse quantizes them again, hfl3's keeps them as the kernel used them
+    pack = getattr(bnb.functional, "_convert_weight_packed_for_cpu", None)
+    if pack is None:
+        pytest.skip("this bitsandbytes has no CPU repacking (bitsandbytes PR #1804)")
+    quantized = model_args(qwen3_folder, load_in_4bit=True, use_bnb_nested_quant=nested)
+    plain = lora_on(load_base_model(quantized, training_args(tmp_path)))
+    repacked = lora_on(load_base_model(quantized, training_args(tmp_path)))
+    repacked.load_state_dict({key: value for key, value in plain.state_dict().items() if "lora_" in key}, strict=False)
+    for layer in repacked.modules():
+        if isinstance(layer, bnb.nn.Linear4bit):
+            before = layer.weight.data.clone()
+            layer.weight.data, layer.weight.quant_state = pack(layer.weight.data, layer.weight.quant_state)
+            assert not torch.equal(layer.weight.data.view(-1), before.view(-1))  # guard: the layout did change
+    assert len(repacked_layers(repacked)) == 14
+    expected = {name: layer.weight for name, layer in linear_layers(merge_adapter(plain)).items()}
+    merged = {name: layer.weight for name, layer in linear_layers(merge_adapter(repacked)).items()}
+    assert merged.keys() == expected.keys()
+    for name, weight in expected.items():
+        # the repacking rounded each block's scale to bfloat16: each dequantized weight moves by at most that rounding
+        assert (merged[name] - weight).abs().max() <= BF16_EPS * weight.abs().max(), name
+
+
+def test_evaluation_leaves_the_4bit_layers_trainable(qwen3_folder, tmp_path, gsm8k_ids, monkeypatch):
+    # Linear4bit asks has_avx512bf16() when it is built; answering yes makes every layer behave as on such a CPU,
+    # where bitsandbytes repacks it at its first eval-mode forward and then computes it, in training too, with a kernel
+    # that has no backward: after the Trainer's step-0 evaluation every adapter here had a zero gradient
+    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True)
+    peft_model = lora_on(load_base_model(model_args(qwen3_folder, load_in_4bit=True, dtype="bfloat16"),
+                                         training_args(tmp_path)))
+    peft_model.eval()
+    with torch.no_grad():
+        peft_model(input_ids=gsm8k_ids)
+    assert not repacked_layers(peft_model)
+    peft_model.train()
+    peft_model(input_ids=gsm8k_ids, labels=gsm8k_ids).loss.backward()
+    gradients = {name: p.grad for name, p in peft_model.named_parameters() if "lora_A" in name}
+    assert len(gradients) == 6 and all(g is not None and g.abs().sum() > 0 for g in gradients.values())
 
 
 def test_8bit_merge_adds_the_update_to_the_dequantized_int8_weights(qwen3_folder, tmp_path):

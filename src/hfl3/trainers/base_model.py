@@ -21,7 +21,21 @@ Where hfl3 differs from TRL, each on purpose:
 - `device_map` is None in every launch of several processes (TRL: DDP and DeepSpeed only; with FSDP its "auto" would
   load every process's copy across all the GPUs);
 - an L3GPT keeps its smear gate and value-embedding gates in high precision besides `lm_head`
-  (`L3GPT_HIGH_PRECISION_MODULES`).
+  (`L3GPT_HIGH_PRECISION_MODULES`);
+- the 4-bit layers stay off bitsandbytes' CPU inference kernel (below).
+
+bitsandbytes 0.50.2 on a CPU with AVX512-BF16 (`Linear4bit.support_avx512bf16_for_cpu`, set from `has_avx512bf16()`
+when the layer is built) repacks a `Linear4bit`'s weight in place at its first forward in eval mode without gradients
+(`_convert_weight_packed_for_cpu`: another nibble order, the block scales transposed and cast to bfloat16) and from
+then on computes the layer with its fused inference kernel (`gemv_4bit`, activations in bfloat16), in training too.
+That kernel has no backward: after the Trainer's step-0 evaluation no gradient crossed a 4-bit layer, and the adapters
+on a Qwen3's q, v and up projections (each reaching the loss through `o_proj` or `down_proj`) got zero gradients. The
+layer's `state_dict()` undoes the repacking in place (`_convert_weight_packed_for_cpu_inverse`) but leaves non-nested
+scales transposed, so a merge after an evaluation (PEFT's `get_peft_model_state_dict` calls it) scrambled every layer
+whose rows span several 64-weight blocks. `load_base_model` therefore turns the repacking off on every `Linear4bit`:
+training, evaluation and generation take bitsandbytes' dequantize-and-matmul path in the compute dtype, as on any
+other CPU; `merge_adapter` undoes the repacking of a base repacked elsewhere itself (`_undo_cpu_repacking`)
+(dev/LOG.md 2026-11-28).
 """
 
 from __future__ import annotations
@@ -151,7 +165,8 @@ def load_base_model(model_args, training_args) -> PreTrainedModel:
 
     Returns:
         The `PreTrainedModel`; a quantized one has `is_loaded_in_4bit` / `is_loaded_in_8bit` set and
-        `bitsandbytes.nn.Linear4bit` / `Linear8bitLt` layers.
+        `bitsandbytes.nn.Linear4bit` / `Linear8bitLt` layers, the 4-bit ones kept off bitsandbytes' CPU repacking
+        (module docstring).
     """
     kwargs = model_init_kwargs(model_args, training_args)
     if getattr(model_args, "gguf_file", None):
@@ -161,7 +176,37 @@ def load_base_model(model_args, training_args) -> PreTrainedModel:
     state = training_args.distributed_state
     if state.num_processes > 1:  # each process loads its own copy; bitsandbytes places it on the process's device
         kwargs["device_map"] = None
-    return create_model_from_path(model_args.model_name_or_path, architecture=AutoModelForCausalLM, **kwargs)
+    model = create_model_from_path(model_args.model_name_or_path, architecture=AutoModelForCausalLM, **kwargs)
+    for layer in _linear_4bit_layers(model):
+        layer.support_avx512bf16_for_cpu = False  # no CPU repacking (module docstring)
+    return model
+
+
+def _linear_4bit_layers(model) -> list:
+    """The `bitsandbytes.nn.Linear4bit` layers of a model quantized to 4 bits (none for any other model)."""
+    config = bitsandbytes_config(model)
+    if config is None or not config.load_in_4bit:
+        return []
+    import bitsandbytes as bnb  # installed: the model was quantized with it
+
+    return [module for module in model.modules() if isinstance(module, bnb.nn.Linear4bit)]
+
+
+def _undo_cpu_repacking(model) -> None:
+    """Put the weights that bitsandbytes repacked for its CPU kernel (module docstring) back in its own layout: the
+    nibbles by bitsandbytes' inverse, the block scales (`absmax`, `(in_features / blocksize, out_features)` in bfloat16
+    once repacked) back to `(out_features * in_features / blocksize,)`, as float32 and not nested. The scales stay
+    rounded to bfloat16, as the repacked layer computed with them."""
+    repacked = [layer.weight for layer in _linear_4bit_layers(model)
+                if getattr(layer.weight.quant_state, "packing_format_for_cpu", False)]
+    if not repacked:
+        return  # releases before the repacking (bitsandbytes PR #1804) have no inverse either
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+    for weight in repacked:
+        absmax = weight.quant_state.absmax.T.reshape(-1).float()
+        weight.data, state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+        state.absmax, state.nested = absmax, False
 
 
 def bitsandbytes_config(model) -> BitsAndBytesConfig | None:
@@ -225,7 +270,9 @@ def merge_adapter(model: PeftModel) -> PreTrainedModel:
     `dequantize`: NF4/int8 weights × their scales, to the 4-bit compute dtype, or to the load dtype for 8-bit; its
     quantization config removed), the adapter put back on the dense base and merged there. The merged model then
     computes what the adapter model computed (the same dequantized weights plus the same update) up to the dtype's
-    round-off; for 8-bit, LLM.int8's rounding of the activations is gone from it.
+    round-off; for 8-bit, LLM.int8's rounding of the activations is gone from it. 4-bit weights that bitsandbytes
+    repacked for its CPU kernel (a base not loaded by `load_base_model`, run in eval mode on a CPU with AVX512-BF16;
+    module docstring) are put back in its layout first.
 
     Raises:
         ValueError: more than one active adapter.
@@ -239,6 +286,7 @@ def merge_adapter(model: PeftModel) -> PreTrainedModel:
                          "(model.set_adapter(name))")
     adapter_name = model.active_adapters[0]
     peft_config = model.peft_config[adapter_name]
+    _undo_cpu_repacking(model)  # first: `state_dict()` runs bitsandbytes' own inverse, which garbles the scales
     adapter_weights = get_peft_model_state_dict(model, adapter_name=adapter_name)
     dtype = config.bnb_4bit_compute_dtype if config.load_in_4bit else base.config.dtype
     base = model.unload()
