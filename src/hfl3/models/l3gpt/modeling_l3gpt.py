@@ -263,11 +263,12 @@ class L3GPTPreTrainedModel(TokenTablesResizeMixin, L3OffloadMixin, PreTrainedMod
 
     @property
     def dtype(self) -> torch.dtype:
-        """The matrices' dtype (the first decoder layer's query projection): transformers takes the first floating
-        parameter's, the token embedding's here, which `--embedding_dtype` may store in bfloat16 beside float32
-        master matrices (what `save_pretrained` writes as `config.dtype` and a reload then casts to)."""
+        """The model's floating dtype, read from its per-layer scalars (`resid_lambdas`): transformers takes the first
+        floating parameter's, the token embedding's here, which `--embedding_dtype` may store in bfloat16 beside
+        float32 master weights (what `save_pretrained` writes as `config.dtype` and a reload then casts to); the
+        matrices themselves may be 4- or 8-bit integers (QLoRA), the scalars are never quantized."""
         decoder = self.model if isinstance(self, L3GPTForCausalLM) else self
-        return decoder.layers[0].self_attn.q_proj.weight.dtype
+        return decoder.resid_lambdas.dtype
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs):
         """transformers' `save_pretrained`; a folder saved with remote code also names `L3GPTModel` under
@@ -304,10 +305,10 @@ class L3GPTModel(L3TablesMixin, L3GPTPreTrainedModel):
     def residual_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype of the residual stream: bfloat16 under bf16 autocast (nanochat runs its whole stream in its
         compute dtype: half the bytes of every activation it saves and of every elementwise op over it), else the
-        matrices' dtype (so embedding tables stored in bf16 beside float32 matrices are upcast)."""
+        model's dtype (`dtype`: so embedding tables stored in bf16 beside float32 weights are upcast)."""
         if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == torch.bfloat16:
             return torch.bfloat16
-        return self.layers[0].self_attn.q_proj.weight.dtype
+        return self.dtype
 
     def attention_masks(
         self,
