@@ -21,6 +21,11 @@ from external_assets import find_gemma3_tokenizer, gemma3_skip_reason
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One OpenMP thread per process, here and in every process a test launches (accelerate launch keeps it, as torchrun
+# sets it for each rank): the tests' matrices are tiny, `make test` runs two workers on two cores, and an OpenMP team
+# whose threads wait for a core spins: a tiny pretraining run took 2.3x the CPU time with 2 threads (dev/LOG.md,
+# 2026-11-28). Set before torch is imported; a value set outside is kept
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The suite's `datasets` caches (SFT rows are cached by content) live in a folder of their own, removed at exit; set
 # before `datasets` is imported, and inherited by the recipes the tests launch
 _DATASETS_CACHE = tempfile.TemporaryDirectory(prefix="hfl3-tests-datasets-")

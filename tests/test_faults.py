@@ -36,7 +36,7 @@ TINY = ["--max_steps", "12", "--save_strategy", "steps", "--save_steps", "4", "-
 def launch(repo_root, output_dir, *extra, kill=None):
     command = [
         os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch",
-        "--config_file", str(repo_root / "accelerate_configs" / "cpu.yaml"), "--num_cpu_threads_per_process", "2",
+        "--config_file", str(repo_root / "accelerate_configs" / "cpu.yaml"),
         str(repo_root / "tests" / "fault_launch.py"), str(repo_root / "recipes" / "pretrain.py"),
         "--config", str(repo_root / "recipes" / "configs" / "pretrain_tiny.yaml"), "--output_dir", str(output_dir),
         *TINY, *extra,

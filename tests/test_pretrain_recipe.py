@@ -25,7 +25,7 @@ def recipe_run(tmp_path_factory, repo_root):
     output_dir = tmp_path_factory.mktemp("pretrain")
     command = [
         os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch",
-        "--config_file", str(repo_root / "accelerate_configs" / "cpu.yaml"), "--num_cpu_threads_per_process", "2",
+        "--config_file", str(repo_root / "accelerate_configs" / "cpu.yaml"),
         str(repo_root / "recipes" / "pretrain.py"), "--config", str(repo_root / "recipes" / "configs" /
                                                                      "pretrain_tiny.yaml"),
         "--output_dir", str(output_dir),

@@ -89,7 +89,7 @@ def recipe_run(tmp_path_factory, repo_root, l3gpt_folder):
     output_dir = work / "out"
     command = [
         os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch",
-        "--config_file", str(repo_root / "accelerate_configs" / "cpu.yaml"), "--num_cpu_threads_per_process", "2",
+        "--config_file", str(repo_root / "accelerate_configs" / "cpu.yaml"),
         str(repo_root / "recipes" / "sft_lora.py"),
         "--config", str(repo_root / "recipes" / "configs" / "sft_tiny.yaml"),
         "--model_name_or_path", str(l3gpt_folder), "--train_file", str(train), "--eval_file", str(evaluation),
