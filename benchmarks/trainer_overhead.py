@@ -137,7 +137,8 @@ def plain_loop(model, training_args: PretrainConfig, dataset, collator):
         with autocast:
             loss = forward(**batch, num_items_in_batch=num_items_in_batch).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), training_args.max_grad_norm)
+        if training_args.max_grad_norm:  # 0 (the Muon default): no clipping, as the Trainer does
+            torch.nn.utils.clip_grad_norm_(model.parameters(), training_args.max_grad_norm)
         optimizer.step()
         scheduler.step()
         model.zero_grad()
