@@ -304,10 +304,14 @@ class L3GPTModel(L3TablesMixin, L3GPTPreTrainedModel):
     def residual_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype of the residual stream: bfloat16 under bf16 autocast (nanochat runs its whole stream in its
         compute dtype: half the bytes of every activation it saves and of every elementwise op over it), else the
-        matrices' dtype (so embedding tables stored in bf16 beside float32 matrices are upcast)."""
+        matrices' dtype (so embedding tables stored in bf16 beside float32 matrices are upcast); matrices quantized by
+        bitsandbytes (QLoRA's uint8/int8 storage) give their compute dtype, else the token embedding's."""
         if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == torch.bfloat16:
             return torch.bfloat16
-        return self.layers[0].self_attn.q_proj.weight.dtype
+        q_proj = self.layers[0].self_attn.q_proj
+        if q_proj.weight.is_floating_point():
+            return q_proj.weight.dtype
+        return getattr(q_proj, "compute_dtype", None) or self.embed_tokens.weight.dtype
 
     def attention_masks(
         self,
