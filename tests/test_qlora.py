@@ -4,6 +4,7 @@ model, an L3GPT keeps its tables, embeddings and gates in high precision, and ba
 Tiny models from configs, the fixture Qwen3 tokenizer, GSM8K chats; bitsandbytes' CPU backend."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, Qwen3Config, Qwen3ForCausalLM
 from trl import get_peft_config
 
+import hfl3
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
 from hfl3.data.sft import load_sft_data
@@ -95,6 +97,24 @@ def test_load_in_4bit_gives_nf4_layers_with_the_load_dtype_as_compute_dtype(qwen
     assert state.quant_type == "nf4" and state.dtype == torch.bfloat16 and state.nested
     assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.is_loaded_in_4bit
+
+
+def test_what_bitsandbytes_says_at_import_on_a_cpu_is_logged_by_a_4bit_load_only(qwen3_folder, tmp_path, caplog,
+                                                                                  monkeypatch):
+    """bitsandbytes' import-time line about its fused 4-bit CPU kernel (CPUs with AVX512-BF16) is kept by `import
+    hfl3` (no recipe prints it: tests/test_launch.py) and logged where a model is loaded in 4 bits on a CPU; a
+    record is planted, so that this holds on every CPU."""
+    planted = logging.LogRecord("bitsandbytes.backends.cpu.ops", logging.WARNING, __file__, 1, "planted %s", ("line",),
+                                None)
+    monkeypatch.setattr(hfl3.BITSANDBYTES_CPU_MESSAGES, "records", [planted])
+    logging.getLogger("bitsandbytes.backends.cpu.ops").warning("after the import: %s", "kept too")
+    assert [record.getMessage() for record in hfl3.BITSANDBYTES_CPU_MESSAGES.records] == [
+        "planted line", "after the import: kept too"]
+    with caplog.at_level(logging.WARNING, logger="hfl3"):
+        load_base_model(model_args(qwen3_folder), training_args(tmp_path))
+        assert "bitsandbytes:" not in caplog.text
+        load_base_model(model_args(qwen3_folder, load_in_4bit=True), training_args(tmp_path))
+    assert "bitsandbytes: planted line" in caplog.text
 
 
 def test_model_init_kwargs_dtype_acts_without_quantization(qwen3_folder, tmp_path):

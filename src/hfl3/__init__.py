@@ -4,7 +4,28 @@
 (idempotent: importing twice, or alongside remote code, is harmless).
 """
 
+import logging
+
 from .fp8.ao import torchao_import_messages_kept
+
+
+class _KeptRecords(logging.Filter):
+    """Keeps a logger's records instead of printing them (`records`), for whoever they concern to log."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+# bitsandbytes, which peft imports, says at import on a CPU with AVX512-BF16 that the `kernels` package for its fused
+# 4-bit CPU kernel is missing: one line ahead of every recipe's output, about QLoRA on a CPU alone. Kept; logged where
+# a model is loaded in 4 bits on a CPU (`hfl3.trainers.base_model.load_base_model`)
+BITSANDBYTES_CPU_MESSAGES = _KeptRecords()
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(BITSANDBYTES_CPU_MESSAGES)
 
 # transformers imports torchao (when installed) with its model code; its import-time warnings are kept for the AO
 # FP8 backend instead of printed at every launch (hfl3/fp8/ao.py)

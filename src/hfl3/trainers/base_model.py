@@ -27,6 +27,7 @@ Where hfl3 differs from TRL, each on purpose:
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -35,6 +36,10 @@ from transformers.utils import is_bitsandbytes_available
 from transformers.utils.import_utils import BITSANDBYTES_MIN_VERSION
 from trl import get_quantization_config
 from trl.trainer.utils import create_model_from_path
+
+from hfl3 import BITSANDBYTES_CPU_MESSAGES
+
+logger = logging.getLogger(__name__)
 
 QLORA_INSTALL = "pip install 'hfl3[qlora]'"
 L3GPT_HIGH_PRECISION_MODULES = ("lm_head", "smear.gate", "value_embedding_gate")
@@ -161,7 +166,11 @@ def load_base_model(model_args, training_args) -> PreTrainedModel:
     state = training_args.distributed_state
     if state.num_processes > 1:  # each process loads its own copy; bitsandbytes places it on the process's device
         kwargs["device_map"] = None
-    return create_model_from_path(model_args.model_name_or_path, architecture=AutoModelForCausalLM, **kwargs)
+    model = create_model_from_path(model_args.model_name_or_path, architecture=AutoModelForCausalLM, **kwargs)
+    if model_args.load_in_4bit and state.device.type == "cpu":  # what bitsandbytes said at import (hfl3/__init__.py)
+        for record in BITSANDBYTES_CPU_MESSAGES.records:
+            logger.warning("bitsandbytes: %s", record.getMessage())
+    return model
 
 
 def bitsandbytes_config(model) -> BitsAndBytesConfig | None:
