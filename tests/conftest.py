@@ -5,6 +5,25 @@ its source and license), so a clone runs the suite with nothing beside it and ev
 The Gemma 3 tokenizer is under the Gemma terms and stays out of the repository: `external_assets.py` says where it
 is looked for (`HFL3_ASSETS` first). Tests that use it carry the `gemma3` marker and are skipped at collection, with
 one line naming what to set, where it is not found.
+
+How the suite stays within `make test`'s 10 minutes on 2 cores (README.md, Tests), for whoever adds a test:
+- Each launched process pays ~7 s of CPU importing torch, transformers and peft before it does anything: test in
+  process unless the process is what is tested (an exit status, a kill, a launch's ranks), run several checks on what
+  one launch left (a module- or session-scoped fixture, as the recipe runs and `tests/distributed/conftest.py`'s
+  launches are), and start a one-process recipe with `sys.executable` rather than `accelerate launch` unless the
+  launcher is what is tested (`test_pretrain_recipe.py` and `test_sft_recipe.py` launch through it).
+- What a fixture builds is shared read-only: a test copies a folder before it changes it. Under pytest-xdist a
+  session-scoped fixture runs once per worker that uses it; the tests of one module stay on one worker
+  (`xdist_group`), so a module-scoped fixture runs once. Tokenizers and tiny models from configs cost well under a
+  second (train_tokenizer on 60,000 characters: 0.03 s), so each module builds its own.
+- A check whose long form does not fit keeps a short form in make test and marks the long one `extended` (skipped
+  unless `--extended`; `make test-extended` runs only those, after make test in CI).
+- One OpenMP thread per process (below). No time limit assumes a quiet machine: a test's own limit is pytest-timeout's
+  (pyproject.toml), a hang guard; a process that ends by itself is waited for without a limit of its own (a hang is
+  that guard's), or with one derived from a run measured in the same test; a wait for an event in a running process
+  (a checkpoint to appear, a share to run out) is derived from a measured duration too (test_interrupts.py,
+  test_faults.py, test_benchmarks_smoke.py). The launches of tests/distributed keep their own cut-off so that the
+  launch's log says what hung.
 """
 
 import functools
@@ -116,10 +135,10 @@ sys.meta_path.insert(0, HideHfl3())
 
 @pytest.fixture
 def run_without_hfl3(tmp_path):
-    """`run(script, *args, timeout=300)`: run a Python `script` in a fresh process where `import hfl3` fails (what a
-    Hub user without hfl3 has), offline, with its own remote-code module cache; returns the `CompletedProcess`."""
+    """`run(script, *args)`: run a Python `script` in a fresh process where `import hfl3` fails (what a Hub user
+    without hfl3 has), offline, with its own remote-code module cache; returns the `CompletedProcess`."""
 
-    def run(script: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    def run(script: str, *args, timeout: float | None = None) -> subprocess.CompletedProcess:
         path = tmp_path / "without_hfl3.py"
         path.write_text(HIDE_HFL3 + textwrap.dedent(script))
         env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(tmp_path / "modules")}
@@ -168,10 +187,10 @@ class XdistGroupsCheck:
                 "(pytest-dev/pytest-xdist#1386): install the pins, pip install -c constraints.txt -e '.[dev]'")
 
 
-# pytest-timeout's limit for a multi-process test (pyproject.toml sets 900 s for the others): its fixtures may wait on
-# two launches (tests/distributed/conftest.py: the one-process reference, then the launch under test), each cut off
-# after LAUNCH_TIMEOUT_S = 900 s by its own subprocess timeout, so that the launch's log says what hung; 300 s more for
-# the test itself
+# pytest-timeout's limit for a multi-process test (pyproject.toml sets 900 s for the others, the hang guard of one
+# test): its fixtures may wait on two launches (tests/distributed/conftest.py: the one-process reference, then the
+# launch under test), each cut off after LAUNCH_TIMEOUT_S = 900 s (one test's guard) by its own subprocess timeout, so
+# that the launch's log says what hung; 300 s more for the test itself
 DISTRIBUTED_TIMEOUT_S = 2 * 900 + 300
 
 

@@ -321,7 +321,7 @@ def test_the_first_typo_of_a_new_user_exits_2_without_a_traceback(repo_root, val
     run = subprocess.run(
         [sys.executable, "recipes/sft_lora.py", "--model_name_or_path", str(valid_inputs / "model"), "--train_file",
          "/nonexistent.jsonl", "--output_dir", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=300, cwd=repo_root, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True, text=True, cwd=repo_root, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.splitlines()[-1] == f"sft_lora.py: error: --train_file /nonexistent.jsonl: no such file; " \

@@ -153,7 +153,7 @@ def test_the_device_call_runs_its_sections_at_smoke_sizes_and_fills_their_fields
     command = gpu_suite.device_call()["command"]
     environment = {key: value for key, value in os.environ.items() if not key.endswith("_NUM_THREADS")}
     mode = "--smoke" + (f" --sections {sections}" if sections else "")
-    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=900, cwd=repo_root,
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=repo_root,
                           env=environment | {"OUT": str(tmp_path), "BENCH_GPU_MODE": mode})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     expected = [sections] if sections else list(gpu_sections.SECTIONS)

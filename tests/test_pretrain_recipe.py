@@ -31,7 +31,7 @@ def recipe_run(tmp_path_factory, repo_root):
         "--output_dir", str(output_dir),
         "--core_metric_every", "15", "--core_bundle_dir", str(repo_root / "tests" / "fixtures" / "core_bundle"),
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=repo_root)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=repo_root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return output_dir, result.stdout + result.stderr
 
