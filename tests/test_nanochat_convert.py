@@ -8,6 +8,7 @@ order of float64 operations (SDPA vs einsum, as in test_nanochat_core.py): 1e-10
 """
 
 import json
+import runpy
 import subprocess
 import sys
 
@@ -93,6 +94,7 @@ def test_l3_fork_checkpoint_converts_to_equal_logits(tmp_path, tokenizer_dir, sp
 
 REMOTE_SCRIPT = """
 import json
+import runpy
 import subprocess
 import sys
 import torch
@@ -276,8 +278,11 @@ def test_export_of_an_hfl3_model_and_refusals(tmp_path, tokenizer_dir):
 
 
 @pytest.mark.parametrize("module", ["hfl3.nanochat.convert_nanochat_to_hf", "hfl3.nanochat.convert_hf_to_nanochat"])
-def test_command_names_its_module(module):
-    # run as `python -m`, the module's `__name__` is "__main__": usage, model card and metadata name the module
-    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith(f"usage: python -m {module} "), result.stdout[:200]
+def test_command_names_its_module(module, monkeypatch, capsys):
+    # run as `python -m`, the module's `__name__` is "__main__": usage, model card and metadata name the module. In
+    # process, as `python -m` runs it (runpy.run_module with alter_sys): a launch would add ~4 s of imports
+    monkeypatch.setattr(sys, "argv", ["-m", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m {module} ")
