@@ -151,6 +151,9 @@ def run_without_hfl3(tmp_path):
 def pytest_configure(config):
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistGroupsCheck(), "hfl3-xdist-groups-check")
+        # the groups are handed out in the order `heaviest_groups_first` gives, not by their number of tests
+        # (pytest-xdist's default): a one-test module that launches four recipe runs came last and ran alone
+        config.option.loadscopereorder = False
     else:  # the groups set at collection are pytest-xdist's mark, declared by it when it is loaded
         config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's scheduling group (unused here)")
     config.addinivalue_line("markers", "gemma3: uses the Gemma 3 tokenizer (not redistributable, see "
@@ -170,6 +173,22 @@ def xdist_group(item) -> str:
     contend for the cores at the same time (`SPAWNED_ONLY` modules excepted)."""
     module = item.nodeid.split("::")[0]
     return "distributed" if item.get_closest_marker("distributed") and module not in SPAWNED_ONLY else module
+
+
+def heaviest_groups_first(items: list) -> list:
+    """`items` with the groups (`xdist_group`) ordered by their tests that launch processes or run a recipe (marked
+    `slow` or `distributed`), most first, then by their number of tests; each group's tests in their order. The workers take the
+    groups in this order as each finishes one, so the run ends on short in-process modules, not on a long launch that
+    one worker runs while the other waits."""
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(xdist_group(item), []).append(item)
+
+    def weight(group: list) -> tuple[int, int]:
+        launching = sum(bool(item.get_closest_marker("slow") or item.get_closest_marker("distributed")) for item in group)
+        return -launching, -len(group)
+
+    return [item for group in sorted(groups.values(), key=weight) for item in group]
 
 
 class XdistGroupsCheck:
@@ -212,6 +231,7 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
         if item.get_closest_marker("distributed") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(DISTRIBUTED_TIMEOUT_S))
+    items[:] = heaviest_groups_first(items)
     needs_gemma3 = [item for item in items if item.get_closest_marker("gemma3")]  # keywords would match param ids
     if needs_gemma3 and gemma3_folder() is None:
         skip_gemma3 = pytest.mark.skip(reason=gemma3_missing_reason())
