@@ -15,7 +15,7 @@ those without a committed GPU result (`benchmarks/results/gpu_suite_<gpu>.json`,
 time share fits in what is left of the call (540 s on a GPU by default: one device call), so that successive calls
 complete the table instead of repeating its head. Each section runs in its own process group with its share; one
 that overruns is killed with every process it started and reported as `overran` with the rows it had finished.
-Every process is started fresh ("spawn"): none is forked from one that may have started threads. The JSON
+Every process is started fresh (a new interpreter): none is forked from one that may have started threads. The JSON
 (`<out_dir>/gpu_suite_<device>.json`) and its markdown table (`.md`: measurement, hfl3, reference, ratio, goal,
 pass/fail) are rewritten after every section, so a run cut off still leaves what was done.
 
@@ -33,12 +33,13 @@ code path with compile on, for `--dry_run`) and fill every field, and say nothin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import importlib.util
 import json
-import multiprocessing
 import os
+import pickle
 import re
 import resource
 import shutil
@@ -214,11 +215,20 @@ def auto_sections(profile: Profile, results_dir: Path = REPO / "benchmarks" / "r
 
 # ---- one section in its own process group ----------------------------------------------------------------------------
 
+# What a section's process runs: `python -c SECTION_BOOTSTRAP CALL_FILE`, CALL_FILE a pickle of (the parent's
+# `sys.path`, the pickled `_section_process` arguments); the path comes first so that the section's function (a
+# `gpu_sections` one, or a test's) can be unpickled
+SECTION_BOOTSTRAP = """import pickle, sys
+path, call = pickle.loads(open(sys.argv[1], "rb").read())
+sys.path[:] = path
+import gpu_suite
+gpu_suite._section_process(*pickle.loads(call))
+"""
+
 
 def _section_process(run_section_of, profile: Profile, partial: str) -> None:
     """Child: run a section (`run_section_of(profile, report)`), writing `{"status", "rows", "details"[, "error"]}` to
     `partial` as it goes."""
-    os.setsid()  # its own process group: the parent can stop it and every process it started at once
     if profile.name == "smoke":  # measures nothing: the arms run in this process, on one thread (tiny matrices gain
         import torch  # nothing from more, and OpenMP's threads spin on busy cores)
 
@@ -239,20 +249,38 @@ def _section_process(run_section_of, profile: Profile, partial: str) -> None:
         sys.exit(1)
 
 
+def start_section_process(run_section_of, profile: Profile, partial: Path) -> subprocess.Popen:
+    """Start `_section_process(run_section_of, profile, partial)` in a new interpreter (never a fork: see
+    `common.in_fresh_process`) that leads a process group of its own from before it runs any code
+    (`start_new_session`: the child calls `setsid()` between fork and exec, and `Popen` returns only after the exec),
+    so that `stop_process_group` can stop it and every process it started at any moment, its first instant included."""
+    call = partial.with_suffix(".call.pickle")
+    call.write_bytes(pickle.dumps((sys.path, pickle.dumps((run_section_of, profile, str(partial))))))
+    return subprocess.Popen([sys.executable, "-c", SECTION_BOOTSTRAP, str(call)], start_new_session=True)
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGKILL every process in the group that `process` leads (`start_section_process`), then reap `process`. A group
+    already gone (its leader exited and was reaped, and nothing it started is left) is not an error."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
 def run_section(name: str, profile: Profile, share_seconds: float, scratch: Path) -> dict:
-    """Run section `name` in a child process for at most `share_seconds`; the section's JSON entry."""
+    """Run section `name` in a child process for at most `share_seconds`; the section's JSON entry. Whether the
+    section finished, failed, overran or the parent was interrupted, its process group is then killed: nothing it
+    started outlives it."""
     partial = scratch / f"{name}.json"
     partial.unlink(missing_ok=True)  # what an earlier run left must not pass for this one's
-    process = multiprocessing.get_context("spawn").Process(
-        target=_section_process, args=(SECTIONS[name].run, profile, str(partial)))
     started, children = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    process.start()
+    process = start_section_process(SECTIONS[name].run, profile, partial)
     try:
-        process.join(share_seconds)
+        process.wait(share_seconds)
+    except subprocess.TimeoutExpired:  # overran: stopped below
+        pass
     finally:
-        if process.is_alive():  # overran (or the parent was interrupted): stop the section and all it started
-            os.killpg(process.pid, signal.SIGKILL)
-            process.join()
+        stop_process_group(process)
     seconds = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the section's processes, once they have ended
     cpu_seconds = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
@@ -260,7 +288,7 @@ def run_section(name: str, profile: Profile, share_seconds: float, scratch: Path
     if seconds >= share_seconds and entry.get("status") not in ("done", "failed"):
         entry |= {"status": "overran", "error": f"stopped after its share of {share_seconds:.0f} s"}
     elif entry.get("status") not in ("done", "failed"):
-        entry |= {"status": "failed", "error": f"the section's process ended with exit code {process.exitcode} "
+        entry |= {"status": "failed", "error": f"the section's process ended with exit code {process.returncode} "
                                                "(killed? out of memory?) before reporting"}
     if not profile.gpu:  # goals are about GPU speed: a CPU run checks the plumbing and judges nothing
         entry["rows"] = [row | {"passed": None} for row in entry["rows"]]

@@ -5,6 +5,25 @@ its source and license), so a clone runs the suite with nothing beside it and ev
 The Gemma 3 tokenizer is under the Gemma terms and stays out of the repository: `external_assets.py` says where it
 is looked for (`HFL3_ASSETS` first). Tests that use it carry the `gemma3` marker and are skipped at collection, with
 one line naming what to set, where it is not found.
+
+How the suite stays within `make test`'s 10 minutes on 2 cores (README.md, Tests), for whoever adds a test:
+- Each launched process pays ~7 s of CPU importing torch, transformers and peft before it does anything: test in
+  process unless the process is what is tested (an exit status, a kill, a launch's ranks), run several checks on what
+  one launch left (a module- or session-scoped fixture, as the recipe runs and `tests/distributed/conftest.py`'s
+  launches are), and start a one-process recipe with `sys.executable` rather than `accelerate launch` unless the
+  launcher is what is tested (`test_pretrain_recipe.py` and `test_sft_recipe.py` launch through it).
+- What a fixture builds is shared read-only: a test copies a folder before it changes it. Under pytest-xdist a
+  session-scoped fixture runs once per worker that uses it; the tests of one module stay on one worker
+  (`xdist_group`), so a module-scoped fixture runs once. Tokenizers and tiny models from configs cost well under a
+  second (train_tokenizer on 60,000 characters: 0.03 s), so each module builds its own.
+- A check whose long form does not fit keeps a short form in make test and marks the long one `extended` (skipped
+  unless `--extended`; `make test-extended` runs only those, after make test in CI).
+- One OpenMP thread per process (below). No time limit assumes a quiet machine: a test's own limit is pytest-timeout's
+  (pyproject.toml), a hang guard; a process that ends by itself is waited for without a limit of its own (a hang is
+  that guard's), or with one derived from a run measured in the same test; a wait for an event in a running process
+  (a checkpoint to appear, a share to run out) is derived from a measured duration too (test_interrupts.py,
+  test_faults.py, test_benchmarks_smoke.py). The launches of tests/distributed keep their own cut-off so that the
+  launch's log says what hung.
 """
 
 import functools
@@ -21,6 +40,11 @@ from external_assets import find_gemma3_tokenizer, gemma3_skip_reason
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One OpenMP thread per process, here and in every process a test launches (accelerate launch keeps it, as torchrun
+# sets it for each rank): the tests' matrices are tiny, `make test` runs two workers on two cores, and an OpenMP team
+# whose threads wait for a core spins: a tiny pretraining run took 2.3x the CPU time with 2 threads (dev/LOG.md,
+# 2026-11-28). Set before torch is imported; a value set outside is kept
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The suite's `datasets` caches (SFT rows are cached by content) live in a folder of their own, removed at exit; set
 # before `datasets` is imported, and inherited by the recipes the tests launch
 _DATASETS_CACHE = tempfile.TemporaryDirectory(prefix="hfl3-tests-datasets-")
@@ -111,10 +135,10 @@ sys.meta_path.insert(0, HideHfl3())
 
 @pytest.fixture
 def run_without_hfl3(tmp_path):
-    """`run(script, *args, timeout=300)`: run a Python `script` in a fresh process where `import hfl3` fails (what a
-    Hub user without hfl3 has), offline, with its own remote-code module cache; returns the `CompletedProcess`."""
+    """`run(script, *args)`: run a Python `script` in a fresh process where `import hfl3` fails (what a Hub user
+    without hfl3 has), offline, with its own remote-code module cache; returns the `CompletedProcess`."""
 
-    def run(script: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    def run(script: str, *args, timeout: float | None = None) -> subprocess.CompletedProcess:
         path = tmp_path / "without_hfl3.py"
         path.write_text(HIDE_HFL3 + textwrap.dedent(script))
         env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(tmp_path / "modules")}
@@ -127,6 +151,9 @@ def run_without_hfl3(tmp_path):
 def pytest_configure(config):
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistGroupsCheck(), "hfl3-xdist-groups-check")
+        # the groups are handed out in the order `heaviest_groups_first` gives, not by their number of tests
+        # (pytest-xdist's default): a one-test module that launches four recipe runs came last and ran alone
+        config.option.loadscopereorder = False
     else:  # the groups set at collection are pytest-xdist's mark, declared by it when it is loaded
         config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's scheduling group (unused here)")
     config.addinivalue_line("markers", "gemma3: uses the Gemma 3 tokenizer (not redistributable, see "
@@ -148,6 +175,22 @@ def xdist_group(item) -> str:
     return "distributed" if item.get_closest_marker("distributed") and module not in SPAWNED_ONLY else module
 
 
+def heaviest_groups_first(items: list) -> list:
+    """`items` with the groups (`xdist_group`) ordered by their tests that launch processes or run a recipe (marked
+    `slow` or `distributed`), most first, then by their number of tests; each group's tests in their order. The workers take the
+    groups in this order as each finishes one, so the run ends on short in-process modules, not on a long launch that
+    one worker runs while the other waits."""
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(xdist_group(item), []).append(item)
+
+    def weight(group: list) -> tuple[int, int]:
+        launching = sum(bool(item.get_closest_marker("slow") or item.get_closest_marker("distributed")) for item in group)
+        return -launching, -len(group)
+
+    return [item for group in sorted(groups.values(), key=weight) for item in group]
+
+
 class XdistGroupsCheck:
     """pytest-xdist's hook, registered only where pytest-xdist is loaded (`pytest_configure`): pytest refuses a
     conftest that implements a hook no loaded plugin declares, so `pytest -p no:xdist` would stop at collection."""
@@ -163,10 +206,10 @@ class XdistGroupsCheck:
                 "(pytest-dev/pytest-xdist#1386): install the pins, pip install -c constraints.txt -e '.[dev]'")
 
 
-# pytest-timeout's limit for a multi-process test (pyproject.toml sets 900 s for the others): its fixtures may wait on
-# two launches (tests/distributed/conftest.py: the one-process reference, then the launch under test), each cut off
-# after LAUNCH_TIMEOUT_S = 900 s by its own subprocess timeout, so that the launch's log says what hung; 300 s more for
-# the test itself
+# pytest-timeout's limit for a multi-process test (pyproject.toml sets 900 s for the others, the hang guard of one
+# test): its fixtures may wait on two launches (tests/distributed/conftest.py: the one-process reference, then the
+# launch under test), each cut off after LAUNCH_TIMEOUT_S = 900 s (one test's guard) by its own subprocess timeout, so
+# that the launch's log says what hung; 300 s more for the test itself
 DISTRIBUTED_TIMEOUT_S = 2 * 900 + 300
 
 
@@ -188,6 +231,7 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
         if item.get_closest_marker("distributed") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(DISTRIBUTED_TIMEOUT_S))
+    items[:] = heaviest_groups_first(items)
     needs_gemma3 = [item for item in items if item.get_closest_marker("gemma3")]  # keywords would match param ids
     if needs_gemma3 and gemma3_folder() is None:
         skip_gemma3 = pytest.mark.skip(reason=gemma3_missing_reason())

@@ -1,6 +1,6 @@
 """Run a recipe and SIGKILL it at a chosen point (tests/test_faults.py):
 
-    accelerate launch --config_file accelerate_configs/cpu.yaml tests/fault_launch.py recipes/pretrain.py ARGS...
+    python tests/fault_launch.py recipes/pretrain.py ARGS...   # or through accelerate launch, the same way
 
 `HFL3_KILL` picks the point:
 - `step:N`: at the start of optimizer step N+1 (N steps done);

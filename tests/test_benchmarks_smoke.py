@@ -153,7 +153,7 @@ def test_the_device_call_runs_its_sections_at_smoke_sizes_and_fills_their_fields
     command = gpu_suite.device_call()["command"]
     environment = {key: value for key, value in os.environ.items() if not key.endswith("_NUM_THREADS")}
     mode = "--smoke" + (f" --sections {sections}" if sections else "")
-    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=900, cwd=repo_root,
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=repo_root,
                           env=environment | {"OUT": str(tmp_path), "BENCH_GPU_MODE": mode})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     expected = [sections] if sections else list(gpu_sections.SECTIONS)
@@ -221,6 +221,12 @@ def test_a_sections_arms_alternate_over_the_rounds_and_their_ratios_carry_the_sp
     assert row["spread"] == [1.9, 2.1] and row["ratio"] == 2.0
 
 
+def _finished_section(profile, report):
+    rows = [{"measurement": "done", "hfl3": 3.0}]
+    report(rows, None)
+    return {"rows": rows, "details": None}
+
+
 def _overrunning_section(profile, report):
     grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     report([{"measurement": "done before the stop", "hfl3": 1.0}], {"grandchild": grandchild.pid})
@@ -232,29 +238,71 @@ def _failing_section(profile, report):
     raise RuntimeError("first line\nthe reason")
 
 
+def _exiting_section(profile, report):
+    os._exit(3)  # before reporting anything, leaving nothing behind in its process group
+
+
 def _gone(pid: int) -> bool:
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-@pytest.mark.parametrize("section, share, status, error", [
-    (_overrunning_section, 40.0, "overran", "stopped after its share of 40 s"),  # a spawned child imports torch
-    (_failing_section, 60.0, "failed", "RuntimeError: the reason"),
-])
-def test_a_section_that_overruns_or_fails_keeps_the_rows_it_reported(suite, monkeypatch, tmp_path, section, share,
-                                                                    status, error):
+# A share that only guards against a hang, for a fake section that ends by itself
+HANG_GUARD_S = 600.0
+
+
+def run_fake_section(suite, monkeypatch, tmp_path, section, share):
     common, gpu_sections, gpu_suite = suite
     monkeypatch.setitem(gpu_sections.SECTIONS, "fake", gpu_sections.Section(section, "fake", 1, ()))
-    started = time.perf_counter()
-    entry = gpu_suite.run_section("fake", gpu_sections.Profile("smoke", "cpu"), share, tmp_path)
-    assert time.perf_counter() - started < share + 30
-    assert (entry["status"], entry["error"], entry["share_seconds"]) == (status, error, share)
-    assert entry["rows"] == [{"measurement": f"done before the {'stop' if status == 'overran' else 'error'}",
-                              "hfl3": 1.0 if status == "overran" else 2.0, "passed": None}]  # a CPU run judges none
-    if status == "overran":  # what the section started was stopped with it (one process group)
-        deadline = time.time() + 10
-        while not _gone(entry["details"]["grandchild"]) and time.time() < deadline:
-            time.sleep(0.1)
-        assert _gone(entry["details"]["grandchild"])
+    return gpu_suite.run_section("fake", gpu_sections.Profile("smoke", "cpu"), share, tmp_path)
+
+
+def test_a_section_that_finishes_fails_or_overruns_keeps_the_rows_it_reported(suite, monkeypatch, tmp_path):
+    """The overrunning section's share is derived from what it waits for: the time the finished section took to
+    start a process, import, report and end on this machine, now (about 3 s quiet, far more beside other work)."""
+    finished = run_fake_section(suite, monkeypatch, tmp_path, _finished_section, HANG_GUARD_S)
+    assert (finished["status"], finished["rows"]) == ("done", [{"measurement": "done", "hfl3": 3.0, "passed": None}])
+    failed = run_fake_section(suite, monkeypatch, tmp_path, _failing_section, HANG_GUARD_S)
+    assert (failed["status"], failed["error"]) == ("failed", "RuntimeError: the reason")
+    assert failed["rows"] == [{"measurement": "done before the error", "hfl3": 2.0, "passed": None}]
+
+    start_s = max(finished["seconds"], failed["seconds"])
+    share = round(3 * start_s + 5)  # the report comes as soon as in the finished section: 3x its time, and then some
+    overran = run_fake_section(suite, monkeypatch, tmp_path, _overrunning_section, share)
+    assert (overran["status"], overran["error"]) == ("overran", f"stopped after its share of {share} s")
+    assert overran["rows"] == [{"measurement": "done before the stop", "hfl3": 1.0, "passed": None}]
+    assert share <= overran["seconds"] < share + start_s + 10  # stopped at its share, not when the section ended
+    grandchild = overran["details"]["grandchild"]  # what the section started was stopped with it (one group)
+    deadline = time.monotonic() + start_s + 10  # SIGKILL is immediate; its delivery, like a start, waits for a core
+    while not _gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(grandchild)
+
+
+def test_a_section_killed_before_its_group_forms_or_after_it_exited_is_reported_not_raised(suite, monkeypatch,
+                                                                                           tmp_path):
+    """A share of 0 s kills the section's process the instant it is started, before it could run a line (the suite
+    used to make the group from inside the spawned child, after its imports: the kill raised ProcessLookupError and
+    ended the suite); a section that exits by itself has its group killed after the exit, when no process is left
+    in it: reported as `failed` with its exit code, not raised."""
+    real_killpg, kills = os.killpg, []
+
+    def killpg(pgid, signal_number):
+        try:
+            real_killpg(pgid, signal_number)
+            kills.append((pgid, "killed"))
+        except ProcessLookupError:
+            kills.append((pgid, "gone"))
+            raise
+
+    monkeypatch.setattr(os, "killpg", killpg)
+    at_once = run_fake_section(suite, monkeypatch, tmp_path, _overrunning_section, 0.0)
+    assert (at_once["status"], at_once["error"], at_once["rows"]) == ("overran", "stopped after its share of 0 s", [])
+    assert [outcome for _, outcome in kills] == ["killed"] and _gone(kills[0][0])
+
+    exited = run_fake_section(suite, monkeypatch, tmp_path, _exiting_section, HANG_GUARD_S)
+    assert (exited["status"], exited["rows"]) == ("failed", [])
+    assert exited["error"].startswith("the section's process ended with exit code 3 ")
+    assert [outcome for _, outcome in kills] == ["killed", "gone"]  # the group was killed after it had emptied
 
 
 @pytest.mark.parametrize("hfl3, reference, goal, ratio, passed", [

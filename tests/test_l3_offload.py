@@ -171,7 +171,7 @@ def test_remote_code_offloads_without_hfl3(tmp_path, run_without_hfl3):
     model.save_pretrained(tmp_path)
     ids = torch.randint(0, VOCAB, (2, 6))
     torch.save(ids, tmp_path / "ids.pt")
-    result = run_without_hfl3(REMOTE_SCRIPT, tmp_path, timeout=180)
+    result = run_without_hfl3(REMOTE_SCRIPT, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     expected = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(torch.load(tmp_path / "remote.pt"), expected)

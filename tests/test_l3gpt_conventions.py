@@ -261,7 +261,7 @@ def test_dense_training_forward_compiles_as_one_graph_with_the_eager_loss_and_gr
     """The dense training forward (labels given) compiles with `fullgraph=True` and gives eager's loss and gradients,
     with the loss from the logits inside the graph ("auto" when compiling) or the chunked custom op; eager runs the
     chunked loss on the CPU. With an L3 layer: `test_l3gpt.py`'s
-    `test_torch_compile_compiles_the_training_forward_once_as_one_graph` (inductor)."""
+    `test_torch_compile_compiles_the_training_forward_once_as_one_graph` (inductor in make test-extended)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
