@@ -5,6 +5,7 @@ decoding, whole-graph compilation of the training forward."""
 import pytest
 import torch
 
+from hfl3 import L3GPTConfig
 from test_l3gpt import VOCAB, skewed_model, tiny_config
 
 
@@ -347,3 +348,37 @@ def test_bf16_embedding_tables_keep_the_models_dtype_and_a_bf16_residual_stream_
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert reloaded.config.dtype == torch.float32
     assert {param.dtype for param in reloaded.parameters()} == {torch.float32}
+
+
+def test_the_compiled_training_forward_saves_two_residual_tensors_per_layer_as_nanochat():
+    """What Inductor keeps from the compiled training forward for the backward, counted in the forward graphs its
+    partitioner cuts (captured before code generation, never run): each layer adds two `(batch, seq, hidden)` tensors
+    of the residual stream (the block's mid-point and its output; nanochat's count), and recomputes its input
+    `resid_lambdas[i]·h + x0_lambdas[i]·x0` from them and `x0`. When `x0` (the smear's output) was a fusible add,
+    the partitioner's `ban_if_used_far_apart` kept every layer's input as well: 0.55 GB at d12, 16 × 2048."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def residual_tensors_saved(depth: int) -> int:
+        model = skewed_model(L3GPTConfig.from_depth(depth, vocab_size=VOCAB, aspect_ratio=32, head_dim=16,
+                                                    num_key_value_heads=2, l3_after_layers=[]))
+        ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+        width = model.config.hidden_size
+        forward_outputs = []
+
+        def inner_compile(graph_module, example_inputs, **kwargs):
+            outputs = next(node for node in graph_module.graph.nodes if node.op == "output").args[0]
+            if not kwargs.get("is_backward", False):
+                forward_outputs.extend(outputs)
+            metas = [node.meta.get("val") if isinstance(node, torch.fx.Node) else node for node in outputs]
+            return lambda *args: [torch.zeros(meta.shape, dtype=meta.dtype) if isinstance(meta, torch.Tensor) else meta
+                                  for meta in metas]
+
+        torch._dynamo.reset()
+        compiled = torch.compile(model.train(), backend=lambda gm, inputs: compile_fx(gm, inputs,
+                                                                                     inner_compile=inner_compile))
+        compiled(input_ids=ids, labels=ids)
+        torch._dynamo.reset()
+        return sum(1 for node in forward_outputs if isinstance(node, torch.fx.Node) and node.op == "call_function"
+                   and tuple(node.meta["val"].shape) == (2, 16, width))
+
+    assert residual_tensors_saved(6) - residual_tensors_saved(4) == 2 * 2  # (depth 2 has its backout at its last layer)

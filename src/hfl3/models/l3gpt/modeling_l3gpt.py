@@ -186,12 +186,20 @@ class L3GPTSmear(nn.Module):
         return states[:, :, -embeds.shape[1] - 1, None].transpose(1, 2) if has_previous else None
 
     def forward(self, embeds, position_ids, previous=None):
-        """`embeds` `(batch_size, seq_len, hidden_size)` → same shape; `position_ids` `(batch_size or 1, seq_len)`."""
+        """`embeds` `(batch_size, seq_len, hidden_size)` → same shape; `position_ids` `(batch_size or 1, seq_len)`.
+
+        The result is built by one `torch.cat` over time (the first position, which reads `previous`, and the rest),
+        as nanochat's smear is: it becomes the stream's `x0`, which every layer reads (`x0_lambdas[i]·x0`), and
+        Inductor's partitioner bans recomputing a fusible product of a tensor far from its first matmul
+        (`ban_if_used_far_apart`), but a `cat` is never a fusion producer, so with it each layer's input is recomputed
+        in the backward instead of saved (torch 2.13 `_functorch/partitioners.py`; d12 at 16 × 2048 saves 0.55 GB
+        less; dev/LOG.md 2026-11-28, `tests/test_l3gpt_conventions.py`)."""
         if previous is None:
             previous = torch.zeros_like(embeds[:, :1])
-        shifted = torch.cat([previous.to(embeds.dtype), embeds[:, :-1]], dim=1)  # (B, T, C): token t-1 at t
         gate = self.smear_lambda * torch.sigmoid(self.gate(embeds[..., : self.gate.in_features]))  # (B, T, 1)
-        return embeds + (gate * (position_ids > 0)[..., None]).to(embeds.dtype) * shifted
+        gate = (gate * (position_ids > 0)[..., None]).to(embeds.dtype)
+        return torch.cat([embeds[:, :1] + gate[:, :1] * previous.to(embeds.dtype),  # (B, T, C): token t-1 added at t
+                          embeds[:, 1:] + gate[:, 1:] * embeds[:, :-1]], dim=1)
 
 
 class L3GPTDecoderLayer(GradientCheckpointingLayer):
