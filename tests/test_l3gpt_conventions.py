@@ -382,3 +382,21 @@ def test_the_compiled_training_forward_saves_two_residual_tensors_per_layer_as_n
                    and tuple(node.meta["val"].shape) == (2, 16, width))
 
     assert residual_tensors_saved(6) - residual_tensors_saved(4) == 2 * 2  # (depth 2 has its backout at its last layer)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
+def test_plain_rows_get_one_rows_masks_and_the_batch_gives_each_rows_logits(implementation):
+    """Without padding, positions or a cache every row's mask is the same: the masks still needed (sliding windows;
+    every mask in eager and flex attention) are built for one row and broadcast over the batch, not written and kept
+    for the backward at `(batch, 1, T, T)`; the batch's logits are each row's alone."""
+    model = skewed_model(tiny_config(l3_after_layers=[])).eval()
+    model.set_attn_implementation(implementation)
+    ids = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(0))
+    embeds = model.model.embed_tokens(ids)
+    masks = model.model.attention_masks(None, embeds, None, torch.arange(20)[None], plain_causal_rows=True)
+    assert masks["sliding_attention"] is not None and (implementation == "sdpa") == (masks["full_attention"] is None)
+    for mask in (mask for mask in masks.values() if mask is not None):
+        assert mask.shape[0] == 1, mask.shape
+    with torch.no_grad():
+        batch, rows = model(ids).logits, torch.cat([model(ids[i : i + 1]).logits for i in range(3)])
+    torch.testing.assert_close(batch, rows, rtol=1e-5, atol=1e-6)  # float32; rows summed in another order

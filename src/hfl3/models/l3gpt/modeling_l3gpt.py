@@ -192,11 +192,13 @@ class L3GPTSmear(nn.Module):
         as nanochat's smear is: it becomes the stream's `x0`, which every layer reads (`x0_lambdas[i]·x0`), and
         Inductor's partitioner bans recomputing a fusible product of a tensor far from its first matmul
         (`ban_if_used_far_apart`), but a `cat` is never a fusion producer, so with it each layer's input is recomputed
-        in the backward instead of saved (torch 2.13 `_functorch/partitioners.py`; d12 at 16 × 2048 saves 0.55 GB
+        in the backward instead of saved (torch 2.13 `_functorch/partitioners.py`; d12 at 16 × 2048 saves 0.60 GB
         less; dev/LOG.md 2026-11-28, `tests/test_l3gpt_conventions.py`)."""
         if previous is None:
             previous = torch.zeros_like(embeds[:, :1])
-        gate = self.smear_lambda * torch.sigmoid(self.gate(embeds[..., : self.gate.in_features]))  # (B, T, 1)
+        # the gate reads a copy of its channels: a view would keep the whole normed embedding alive for the backward
+        channels = embeds[..., : self.gate.in_features].contiguous()
+        gate = self.smear_lambda * torch.sigmoid(self.gate(channels))  # (B, T, 1)
         gate = (gate * (position_ids > 0)[..., None]).to(embeds.dtype)
         return torch.cat([embeds[:, :1] + gate[:, :1] * previous.to(embeds.dtype),  # (B, T, C): token t-1 added at t
                           embeds[:, 1:] + gate[:, 1:] * embeds[:, :-1]], dim=1)
@@ -328,12 +330,15 @@ class L3GPTModel(L3TablesMixin, L3GPTPreTrainedModel):
     ) -> dict:
         """The mask of each layer type (`"full_attention"`, `"sliding_attention"`), from transformers' mask helpers; a
         dict given as `attention_mask` is taken as is. For `plain_causal_rows` (no mask, positions or cache: training
-        and scoring) the full-attention mask is None, so that SDPA and flash run their causal kernels."""
+        and scoring) the full-attention mask is None, so that SDPA and flash run their causal kernels, and a mask that
+        is still needed (sliding windows; eager or flex attention) is built for one row, `(1, 1, T, T)`, which the
+        attention broadcasts over the batch: every row's mask is the same, and a `(B, 1, T, T)` one was written at
+        every forward and kept for the backward (134 MB at 16 × 2048 in bf16; nanochat's is `(T, T)`)."""
         if isinstance(attention_mask, dict):
             return attention_mask
         mask_kwargs = dict(
             config=self.config,
-            inputs_embeds=inputs_embeds,
+            inputs_embeds=inputs_embeds[:1] if plain_causal_rows else inputs_embeds,  # shape, dtype, device only
             attention_mask=attention_mask,
             past_key_values=past_key_values,
             position_ids=None if plain_causal_rows else position_ids,
