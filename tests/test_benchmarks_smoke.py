@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from hfl3 import L3GPTConfig
 from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
@@ -127,6 +128,22 @@ def test_plain_loop_is_step_for_step_equivalent_to_trainer(bench, assets, tmp_pa
     result = trainer_overhead.run_round(args, tokenizer, packed, sample, str(tmp_path), seed=0)
     assert len(result["trainer"]) == 3 and len(result["plain"]) == 3
     assert result["max_abs_param_difference"] == 0.0
+
+
+def _two_host_reads(x):
+    return x.sum().item() + x.max().item()
+
+
+def test_the_profile_names_the_code_behind_each_host_copy_and_sync(bench):
+    """`vs_nanochat.call_sources` (the profile table's sources section) attributes each sync or copy to its op and the
+    innermost Python frames outside torch, from a profile taken with stacks: here two `.item()`s per call."""
+    vs_nanochat = bench[2]
+    x = torch.randn(8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as profile:
+        for _ in range(3):
+            _two_host_reads(x)
+    [(source, count)] = vs_nanochat.call_sources(profile.events(), vs_nanochat.SOURCED_CALLS, frames=1)
+    assert count == 6 and source.startswith("aten::item < test_benchmarks_smoke.py(") and "_two_host_reads" in source
 
 
 def test_vs_nanochat_refuses_a_folder_without_nanochat(bench, tmp_path):
