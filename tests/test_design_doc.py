@@ -1,6 +1,8 @@
-"""docs/design.md cites only what exists: every file it names or links is in the clone, every hfl3 name it puts in
-backticks occurs in the repository's Python files, and every test it cites is defined in a test folder. A design
-document that names code that is gone misleads more than none (docs/design.md says the code wins; this keeps it so)."""
+"""docs/design.md cites only what exists: every file it names or links (backticked or in plain text) is in the clone,
+every hfl3 name it puts in backticks occurs in the repository's Python files, every test it cites is defined in a test
+folder, every `#anchor` it links is one of its headings, and every section of it cited from the repository
+("docs/design.md, Known traps") is one of its headings. A design document that names code that is gone misleads more
+than none (docs/design.md says the code wins; this keeps it so)."""
 
 import re
 import subprocess
@@ -16,7 +18,7 @@ TOP_LEVEL = ("src/", "tests/", "benchmarks/", "recipes/", "integrations/", "dev/
 # datasets, huggingface_hub, vLLM) or from nanochat, which hfl3's own code never spells out. Each is checked to be
 # cited, so the list cannot outlive the text.
 EXTERNAL = {
-    "nanochat/gpt.py", "base_train.py", "scripts/chat_sft.py",  # karpathy/nanochat's files
+    "nanochat/gpt.py", "base_train.py", "scripts/chat_sft.py", "scripts/chat_eval.py",  # karpathy/nanochat's files
     "trl/scripts/sft.py", "CheckpointManager",  # TRL's SFT script, torchtitan's checkpointing component
     "ChildFailedError", "HFValidationError", "AutoPeftModelForCausalLM", "ModelCardData", "IterableDatasetShard",
     "OptimizerNames", "ShortConv", "MambaBase", "SHORT_CONV", "ReLUSquaredActivation",
@@ -30,6 +32,13 @@ CAMEL = re.compile(r"_?[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*[A-Z][A-Za-z0-9]*|_?[A-
 CONSTANT = re.compile(r"_?[A-Z][A-Z0-9]*(_[A-Z0-9]+)+")
 SNAKE = re.compile(r"_?[a-z][a-z0-9]*(_[a-z0-9]+)+")
 CODE_NAME = re.compile(r"[A-Za-z_][\w.]*(\(.*\))?")
+FILE_NAME = re.compile(r"(?<![\w/.*-])(\w[\w./*-]*\.(?:py|yaml|md|toml))(?![\w/])")  # in plain text too (not .json:
+# the document names the files a run writes, config.json, metadata.json, ..., which are no files of the clone)
+PLACEHOLDER = re.compile(r"(?<=/)[A-Z](?=\.)")  # accelerate_configs/X.yaml: any file there
+ANCHOR = re.compile(r"\]\(#([^)\s]+)\)")
+SECTION_END = re.compile(r"[,;.)\"]")
+HEADING = re.compile(r"^#{2,4} (.+)$", re.MULTILINE)
+SECTION_CITATION = re.compile(r"docs/design\.md(?:, | \(\"?)(?!decision \d|decision N)(\w[^\n]{0,60})")
 
 
 def tracked_files() -> list[str]:
@@ -61,16 +70,41 @@ def cited(text: str) -> tuple[set[str], set[str], set[str], set[str]]:
     return paths, file_names, names, tests
 
 
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, backticks and punctuation but `-` dropped, spaces as `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def is_file(name: str, files: list[str]) -> bool:
+    """`name` is a tracked file: from the repository root, from `src/hfl3/`, or the trailing parts of a tracked
+    path; `*` and a one-capital placeholder (`accelerate_configs/X.yaml`) match any name."""
+    pattern = PLACEHOLDER.sub("*", name)
+    return any(Path(file).match(pattern) or file == f"src/hfl3/{pattern}" for file in files)
+
+
+def missing_sections(citing: dict[str, str], document: str) -> list[str]:
+    """Sections cited as `docs/design.md, <Section>` or `docs/design.md (<Section>)` in `citing` ({file: text})
+    that are no heading of `document` (decisions are cited by number: test_references checks those)."""
+    headings = [heading.strip().lower() for heading in HEADING.findall(document)]
+    return [f"section {SECTION_END.split(cited_text)[0].strip()} ({name})" for name, text in sorted(citing.items())
+            for cited_text in SECTION_CITATION.findall(text)
+            if not any(cited_text.lower().startswith(heading) for heading in headings)]
+
+
 def missing_citations(text: str) -> list[str]:
     files, code_words = tracked_files(), set(re.findall(r"\w+", python_text()))
     paths, file_names, names, tests = cited(text)
+    file_names |= {name for name in FILE_NAME.findall(text) if not name.startswith(TOP_LEVEL)}
+    paths |= {name for name in FILE_NAME.findall(text) if name.startswith(TOP_LEVEL)}
     defined_tests = set(re.findall(r"^\s*def (test_\w+)", "\n".join(
         (REPO / name).read_text(encoding="utf-8") for name in files
         if name.startswith(TEST_FOLDERS) and name.endswith(".py") and (REPO / name).exists()), re.MULTILINE))
     missing = [f"file {path}" for path in sorted(paths)
-               if path not in EXTERNAL and not (list(REPO.glob(path)) if "*" in path else (REPO / path).exists())]
-    missing += [f"file {name}" for name in sorted(file_names) if name not in EXTERNAL
-                and not any(Path(file).match(name) for file in files)]
+               if path not in EXTERNAL and not (list(REPO.glob(PLACEHOLDER.sub("*", path))) if "*" in path or
+                                                PLACEHOLDER.search(path) else (REPO / path).exists())]
+    missing += [f"file {name}" for name in sorted(file_names) if name not in EXTERNAL and not is_file(name, files)]
+    headings = {slug(heading) for heading in HEADING.findall(text)}
+    missing += [f"anchor #{anchor}" for anchor in sorted(set(ANCHOR.findall(text))) if anchor not in headings]
     missing += [f"name {name}" for name in sorted(names)
                 if name not in EXTERNAL and name not in code_words]
     missing += [f"test {name}" for name in sorted(tests) if name not in defined_tests]
@@ -82,6 +116,18 @@ def test_every_citation_in_the_design_document_exists():
     assert not missing, "docs/design.md cites what the repository lacks (rewrite the passage):\n" + "\n".join(missing)
 
 
+def test_every_section_cited_from_the_repository_exists():
+    citing = {}
+    for name in tracked_files():
+        if name.endswith((".py", ".md", ".yaml", ".toml")) and name != "dev/LOG.md" and (REPO / name).exists() \
+                and name != "tests/test_design_doc.py":
+            citing[name] = (REPO / name).read_text(encoding="utf-8")
+    assert len(missing_sections(citing, "")) >= 3  # the scan finds the citations ("docs/design.md, Known traps")
+    missing = missing_sections(citing, DESIGN_DOC.read_text(encoding="utf-8"))
+    assert not missing, "sections of docs/design.md cited but missing (cite an existing heading):\n" + "\n".join(
+        missing)
+
+
 def test_external_names_are_still_cited():
     paths, file_names, names, _ = cited(DESIGN_DOC.read_text(encoding="utf-8"))
     stale = EXTERNAL - paths - file_names - names
@@ -89,8 +135,13 @@ def test_external_names_are_still_cited():
 
 
 def test_the_check_tells_a_missing_name_apart():
-    text = ("`L3GPTConfig`, `_NoSuchScores`, `no_such_function(x)`, `src/hfl3/no_such.py`, `no_such.yaml`, "
-            "`test_no_such_thing`, [x](../benchmarks/no_such.py)")
+    text = ("## Layers\n`L3GPTConfig`, `_NoSuchScores`, `no_such_function(x)`, `src/hfl3/no_such.py`, `no_such.yaml`, "
+            "`test_no_such_thing`, [x](../benchmarks/no_such.py), [y](#layers), [z](#no-such-section), STYLE.md, "
+            "trainers/no_such.py and trainers/arguments.py in plain text, accelerate_configs/X.yaml")
     assert missing_citations(text) == ["file benchmarks/no_such.py", "file src/hfl3/no_such.py",
-                                       "file no_such.yaml", "name _NoSuchScores", "name no_such_function",
+                                       "file STYLE.md", "file no_such.yaml", "file trainers/no_such.py",
+                                       "anchor #no-such-section", "name _NoSuchScores", "name no_such_function",
                                        "test test_no_such_thing"]
+    assert missing_sections({"a.py": "see docs/design.md, No such section, and docs/design.md, Known traps; "
+                                     "docs/design.md (Layers), docs/design.md, decision 3"},
+                            "## Layers\n## Known traps\n") == ["section No such section (a.py)"]
