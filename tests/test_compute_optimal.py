@@ -10,6 +10,7 @@ import pytest
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.trainers.compute_optimal import (
     REFERENCE_TOTAL_BATCH_SIZE,
+    apply_plan,
     auto_total_batch_size,
     compute_optimal_plan,
     derive_gradient_accumulation_steps,
@@ -203,7 +204,7 @@ def tiny_model() -> L3GPTForCausalLM:
 
 @pytest.mark.parametrize("optim", ["muon", "adamw_torch"])
 def test_the_plan_reaches_the_trainer_and_its_optimizer(tmp_path, optim):
-    """`apply_compute_optimal_plan` sets the steps, the accumulation and λ, and the optimizer's groups get the plan's
+    """`apply_plan` sets the steps, the accumulation and λ, and the optimizer's groups get the plan's
     LRs (√(512 / 2^19) = 1/32 here: every group but Muon's smear scaled)."""
     model = tiny_model()
     config = model.config
@@ -214,12 +215,12 @@ def test_the_plan_reaches_the_trainer_and_its_optimizer(tmp_path, optim):
                                        window_pattern="SL")
     plan = compute_optimal_plan(config, reference, args)
     assert plan.lr_scale == 1 / 32 and plan.gradient_accumulation_steps == 2
-    args.apply_compute_optimal_plan(plan)
+    apply_plan(args, plan)
     assert (args.max_steps, args.gradient_accumulation_steps) == (plan.max_steps, 2) and plan.max_steps > 0
     assert args.weight_decay == plan.weight_decay != 0.28
     assert "batch_lr_scale" not in args.to_dict()  # derived, not an argument
     with pytest.raises(RuntimeError, match="already applied"):
-        args.apply_compute_optimal_plan(plan)
+        apply_plan(args, plan)
     trainer = PretrainTrainer(model=model, args=args)
     trainer.create_optimizer_and_scheduler(args.max_steps)
     if optim == "muon":

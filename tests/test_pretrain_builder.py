@@ -9,7 +9,7 @@ import torch
 
 from hfl3.trainers import outputs
 from hfl3.trainers.arguments import parse_recipe_args
-from hfl3.trainers.compute_optimal import parameter_counts
+from hfl3.trainers.compute_optimal import apply_plan, parameter_counts
 from hfl3.trainers.pretrain_builder import build_model, build_pretraining, build_trainer
 
 TINY = ["--max_steps", "2", "--tokenizer_train_chars", "100000", "--l3_sample_tokens", "20000", "--max_eval_rows",
@@ -36,7 +36,7 @@ def test_a_benchmark_arm_built_from_the_recipes_arguments_trains_as_the_recipe(t
     recipe = run.trainer
     # The arm: the recipe's arguments, its plan and stream, a model of the same config with the same weights
     _, _, arm_args, _ = parsed(pretrain_recipe, repo_root, tmp_path / "arm")
-    arm_args.apply_compute_optimal_plan(run.plan)
+    apply_plan(arm_args, run.plan)
     model = build_model(copy.deepcopy(recipe.model.config), arm_args, allocation=recipe.model.model.l3_counts())
     model.load_state_dict(recipe.model.state_dict())
     arm = build_trainer(model, arm_args, run.data.train, run.plan.flops_per_token, tokenizer=recipe.processing_class,
@@ -56,7 +56,7 @@ def test_a_benchmark_arm_built_from_the_recipes_arguments_trains_as_the_recipe(t
     # The guard: a trainer built another way (here, the Trainer's own AdamW) is told apart
     _, _, adamw_args, _ = parsed(pretrain_recipe, repo_root, tmp_path / "adamw", "--optim", "adamw_torch",
                                  "--eval_strategy", "no")
-    adamw_args.apply_compute_optimal_plan(run.plan)
+    apply_plan(adamw_args, run.plan)
     other = build_trainer(copy.deepcopy(model), adamw_args, run.data.train, None, tokenizer=recipe.processing_class)
     assert optimizer_groups(other) != optimizer_groups(recipe)
 

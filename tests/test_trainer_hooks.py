@@ -3,13 +3,14 @@ one or changes its parameters fails here, naming the hfl3 feature that would sil
 quietly losing it. Everything else hfl3's trainers change goes through public hooks (callbacks, `training_step`,
 `compute_loss`, `create_optimizer`, `get_train_dataloader`, `get_batch_samples`, `log`, `save_model`, `train`)."""
 
+import functools
 import inspect
 import itertools
 
 import datasets
 import pytest
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from trl import SFTTrainer
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
@@ -17,7 +18,7 @@ from hfl3.trainers.guards import NonFiniteGuard, NonFiniteTrainingError
 from hfl3.trainers.optimizers import OptimizerMixin
 from hfl3.trainers.output_mixins import PretrainOutputs
 from hfl3.trainers.pretrain import PackedCollator, PretrainConfig, PretrainTrainer
-from hfl3.trainers.sft import ChatSFTTrainer
+from hfl3.trainers.sft import ChatSFTConfig, ChatSFTTrainer
 
 EMPTY = inspect.Parameter.empty
 PRIVATE_HOOKS = [
@@ -41,6 +42,23 @@ def test_each_private_hook_keeps_its_signature(name, parameters, feature):
     assert callable(method), f"transformers' Trainer has no {name}; lost: {feature}"
     found = [(p.name, p.default) for p in inspect.signature(method).parameters.values()]
     assert found == parameters, f"Trainer.{name}{inspect.signature(method)} changed; check: {feature}"
+
+
+def test_the_private_device_setup_keeps_its_shape():
+    """`ProcessGroupTimeout` overrides `TrainingArguments._setup_devices`, a `cached_property` taking only `self`
+    that `__post_init__` reaches through `self.device`: the feature that depends on it is `--ddp_timeout` acting with
+    `--use_cpu` (a lost rank fails within it, not after torch's 30 minutes). And it is the only private name of
+    `TrainingArguments` the recipes' arguments override."""
+    hook = vars(TrainingArguments).get("_setup_devices")
+    assert isinstance(hook, functools.cached_property), "TrainingArguments._setup_devices is gone or changed; lost: " \
+        "--ddp_timeout with --use_cpu (hfl3.trainers.launch.ProcessGroupTimeout)"
+    assert list(inspect.signature(hook.func).parameters) == ["self"]
+    for config in (PretrainConfig, ChatSFTConfig):
+        hfl3_classes = [cls for cls in config.__mro__ if cls.__module__.startswith("hfl3.")]
+        overridden = {name for cls in hfl3_classes for name in vars(cls) if name.startswith("_") and not
+                      name.startswith("__") and hasattr(TrainingArguments, name)}
+        assert overridden == {"_setup_devices"}, (config, overridden)
+        assert isinstance(inspect.getattr_static(config, "_setup_devices"), functools.cached_property)
 
 
 @pytest.mark.parametrize("trainer_class, base", [(PretrainTrainer, Trainer), (ChatSFTTrainer, SFTTrainer)])

@@ -201,7 +201,7 @@ TRAINER_HONOURED = {
     "restore_callback_states_from_checkpoint": "the Trainer's",
     "full_determinism": "the Trainer's",
     "seed": "the Trainer's; also the split and shuffle of the data",
-    "use_cpu": "the Trainer's; --ddp_timeout acts with it too (set_up_cpu_process_group)",
+    "use_cpu": "the Trainer's; --ddp_timeout acts with it too (ProcessGroupTimeout)",
     "accelerator_config": "the Trainer's accelerator (pretraining: the training stream is not dispatched)",
     "dataloader_drop_last": "the Trainer's DataLoaders (pretraining: evaluation; the stream has no last batch)",
     "dataloader_num_workers": "the DataLoaders (pretraining: stream workers, hfl3.data.streaming)",

@@ -22,7 +22,7 @@ from hfl3.models.l3gpt.modeling_l3gpt import LOSS_IMPLEMENTATIONS
 from hfl3.trainers.arguments import check_training_arguments
 from hfl3.trainers.compute_optimal import derive_gradient_accumulation_steps
 from hfl3.trainers.guards import NonFiniteGuard
-from hfl3.trainers.launch import set_up_cpu_process_group
+from hfl3.trainers.launch import ProcessGroupTimeout
 from hfl3.trainers.optimizers import MuonTrainingArguments, OptimizerMixin
 from hfl3.trainers.output_mixins import PretrainOutputs
 
@@ -32,7 +32,7 @@ EMBEDDING_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
-class PretrainConfig(MuonTrainingArguments, TrainingArguments):
+class PretrainConfig(ProcessGroupTimeout, MuonTrainingArguments, TrainingArguments):
     """`TrainingArguments` for pretraining, with nanochat's choices.
 
     `use_muon` (spelled `--optim muon` too) trains with `hfl3.optim.MuonAdamW` and nanochat's parameter groups
@@ -58,7 +58,7 @@ class PretrainConfig(MuonTrainingArguments, TrainingArguments):
     `total_batch_size` (tokens per optimizer step; -1 = auto, B ∝ D^0.383 around 2^19 at d12) sets
     `gradient_accumulation_steps`, and then every group's LR is scaled by √(B/2^19) and `weight_decay` (λ_ref) by
     √(B/2^19)·D_ref/D. A recipe computes the plan with `compute_optimal_plan` once the model's vocabulary is known and
-    calls `apply_compute_optimal_plan` before building the Trainer. With `max_steps` given and no `total_batch_size`
+    applies it with `compute_optimal.apply_plan` before building the Trainer. With `max_steps` given and no `total_batch_size`
     the run is sized by hand, as before: nothing is rescaled. `num_train_epochs` is not used by a streamed run: the
     stream repeats and `max_steps` (given or planned) ends it; `warmup_steps` below 1 and `warmdown_ratio` are
     fractions of that `max_steps`.
@@ -151,7 +151,6 @@ class PretrainConfig(MuonTrainingArguments, TrainingArguments):
         check_training_arguments(self)  # a zero/negative learning rate or max_steps 0 trains nothing
         default_accelerator_config = self.accelerator_config is None
         check_core_arguments(self)
-        set_up_cpu_process_group(self)  # --ddp_timeout acts with --use_cpu too
         self.take_muon_out_of_optim()
         if self.save_strategy is None:  # a step count given alone saves by steps, as the Trainer's default does
             self.save_strategy = "no" if self.save_steps is None else "steps"
@@ -202,30 +201,6 @@ class PretrainConfig(MuonTrainingArguments, TrainingArguments):
         sharded = self.distributed_state.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
         return torch.bfloat16 if self.bf16 and not sharded else torch.float32
 
-    def apply_compute_optimal_plan(self, plan) -> None:
-        """Size this run by `plan` (a `hfl3.trainers.compute_optimal.ComputeOptimalPlan` computed from these
-        arguments): `max_steps`, `gradient_accumulation_steps`, `weight_decay` (λ, replacing λ_ref) and
-        `batch_lr_scale` (which `PretrainTrainer.create_optimizer` applies). Call it once, before the Trainer is built
-        (the Trainer's accelerator reads the accumulation); a DeepSpeed config given with `--deepspeed` has its
-        "auto" values filled again, as the Trainer does after a hyperparameter search.
-
-        Raises:
-            RuntimeError: when a plan was already applied (a second one would rescale λ again).
-        """
-        if getattr(self, "_compute_optimal_plan", None) is not None:
-            raise RuntimeError("apply_compute_optimal_plan: a plan is already applied to these arguments")
-        self._compute_optimal_plan = plan
-        self.max_steps = plan.max_steps
-        self.gradient_accumulation_steps = plan.gradient_accumulation_steps
-        self.weight_decay = plan.weight_decay
-        self.batch_lr_scale = plan.lr_scale
-        if getattr(self, "hf_deepspeed_config", None) is not None:
-            from accelerate.utils import DeepSpeedPlugin
-            from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
-
-            self.hf_deepspeed_config = HfTrainerDeepSpeedConfig(self.deepspeed)
-            self.hf_deepspeed_config.trainer_config_process(self)
-            self.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=self.hf_deepspeed_config)
 
 class PackedCollator:
     """Stacks packed rows (`input_ids` lists or arrays of equal length) into `input_ids`, `labels` (= input_ids; the

@@ -21,7 +21,8 @@ from hfl3.evaluate import CoreMetricCallback, core_bundle_for_training
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes
 from hfl3.trainers.arguments import RunSetup, apply_evaluation
-from hfl3.trainers.compute_optimal import REFERENCE_DEPTH, ComputeOptimalPlan, compute_optimal_plan, parameter_counts
+from hfl3.trainers.compute_optimal import (REFERENCE_DEPTH, ComputeOptimalPlan, apply_plan, compute_optimal_plan,
+                                          parameter_counts)
 from hfl3.trainers.optimizers import optimizer_metadata
 from hfl3.trainers.outputs import OutputFolder
 from hfl3.trainers.pretrain import BitsPerByte, PackedCollator, PretrainConfig, PretrainTrainer
@@ -190,7 +191,7 @@ def build_pretraining(script_args: PretrainScriptArguments, training_args: Pretr
         plan_run(model_args, training_args, script_args.vocab_size, show=False)  # its errors before the BPE is trained
     tokenizer = prepare_tokenizer(script_args, output, documents[0])
     plan = plan_run(model_args, training_args, len(tokenizer))
-    training_args.apply_compute_optimal_plan(plan)
+    apply_plan(training_args, plan)
     apply_evaluation(training_args, setup.evaluation)
     data = prepare_data(script_args, documents, tokenizer, training_args.max_length,
                         evaluate=setup.evaluation.enabled)

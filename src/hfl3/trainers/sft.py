@@ -25,7 +25,7 @@ from hfl3.trainers.base_model import merge_adapter
 from hfl3.trainers.cards import sft_model_card, usage_name
 from hfl3.trainers.flags import with_choices
 from hfl3.trainers.guards import NonFiniteGuard
-from hfl3.trainers.launch import set_up_cpu_process_group
+from hfl3.trainers.launch import ProcessGroupTimeout
 from hfl3.trainers.optimizers import MuonTrainingArguments, OptimizerMixin
 from hfl3.trainers.output_mixins import SFTOutputs
 from hfl3.trainers.supervised_nll import LOGIT_SCALE_FIELDS, add_supervised_nll
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class ChatSFTConfig(ChatCoreArguments, MuonTrainingArguments, SFTConfig):
+class ChatSFTConfig(ProcessGroupTimeout, ChatCoreArguments, MuonTrainingArguments, SFTConfig):
     """`SFTConfig` with defaults for SFT that also run on a CPU, LoRA (`--use_peft`, the default) or every weight
     (`--use_peft false`), with the Trainer's optimizers or MuonAdamW (`--optim muon`: the fields and groups of
     pretraining, `hfl3.trainers.optimizers.MuonTrainingArguments`, with nanochat chat SFT's schedule).
@@ -136,7 +136,6 @@ class ChatSFTConfig(ChatCoreArguments, MuonTrainingArguments, SFTConfig):
         self.take_muon_out_of_optim()
         check_training_arguments(self)  # a zero/negative learning rate or max_steps 0 trains nothing
         check_chatcore_arguments(self)
-        set_up_cpu_process_group(self)  # --ddp_timeout acts with --use_cpu too
         if self.lr_scheduler_type is None:
             self.lr_scheduler_type = "warmup_stable_decay" if self.use_muon else "linear"
         if self.bf16 is None:
