@@ -37,6 +37,7 @@ from hfl3.trainers.guards import NonFiniteTrainingError, check_vocabulary_fits
 from hfl3.trainers.arguments import parse_recipe_args
 from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator, PretrainConfig
 from hfl3.trainers.sft import ChatSFTTrainer, ChatSFTConfig
+from recipe_setup import set_up_recipe
 
 BOM = codecs.BOM_UTF8
 LORA = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -245,9 +246,9 @@ def valid_inputs(tmp_path_factory, assets) -> Path:
 
 
 def parse_error(repo_root, capsys, name: str, arguments: list[str]) -> str:
-    """Parse `arguments` as the recipe's `__main__` does; return the message of the error it must end with."""
+    """Parse and check `arguments` as the recipe's `__main__` does; return the message of the error it must end with."""
     with pytest.raises(SystemExit) as exit_info:
-        parse_recipe_args(load_recipe(repo_root, name).make_parser(), arguments)
+        set_up_recipe(load_recipe(repo_root, name), arguments)
     assert exit_info.value.code == 2
     usage, error = capsys.readouterr().err.splitlines()  # argparse's usage line, then the one error line
     assert usage.startswith("usage: ")
@@ -299,21 +300,21 @@ def test_a_mistyped_dataset_or_split_is_one_line_before_any_work(repo_root, vali
 
 
 def test_the_valid_inputs_pass(repo_root, valid_inputs):
-    """The guard of the table above: its valid arguments parse, so each case fails on its own argument."""
-    sft = load_recipe(repo_root, "sft_lora").make_parser().parse_args_and_config(
-        ["--model_name_or_path", str(valid_inputs / "model"), "--train_file", str(valid_inputs / "train.jsonl"),
-         "--tokenizer_name_or_path", str(valid_inputs / "tokenizer"), "--output_dir", str(valid_inputs / "out"),
-         "--val_split", "0.25", "--resume_from_checkpoint", "latest"])
-    assert sft[1].model_name_or_path == str(valid_inputs / "model")
-    hub_style = load_recipe(repo_root, "sft_lora").make_parser().parse_args_and_config(
-        ["--model_name_or_path", str(valid_inputs / "model"), "--dataset_name", str(valid_inputs / "hub_style"),
-         "--dataset_test_split", "test", "--output_dir", str(valid_inputs / "out")])
+    """The guard of the table above: its valid arguments pass the checks, so each case fails on its own argument."""
+    sft = set_up_recipe(load_recipe(repo_root, "sft_lora"), [
+        "--model_name_or_path", str(valid_inputs / "model"), "--train_file", str(valid_inputs / "train.jsonl"),
+        "--tokenizer_name_or_path", str(valid_inputs / "tokenizer"), "--output_dir", str(valid_inputs / "out"),
+        "--val_split", "0.25", "--resume_from_checkpoint", "latest"])
+    assert sft[2].model_name_or_path == str(valid_inputs / "model")
+    hub_style = set_up_recipe(load_recipe(repo_root, "sft_lora"), [
+        "--model_name_or_path", str(valid_inputs / "model"), "--dataset_name", str(valid_inputs / "hub_style"),
+        "--dataset_test_split", "test", "--output_dir", str(valid_inputs / "out")])
     assert hub_style[0].dataset_test_split == "test" and hub_style[3].evaluation.on_start
     # `latest` with no checkpoint yet is a fresh run, resolved before the step-0 evaluation is decided
     assert sft[3].output.resume_checkpoint is None and sft[3].evaluation.on_start
-    pretrain = load_recipe(repo_root, "pretrain").make_parser().parse_args_and_config(
-        ["--dataset", f"stdlib,{valid_inputs}/*.jsonl", "--tokenizer_name_or_path", str(valid_inputs / "tokenizer"),
-         "--output_dir", str(valid_inputs / "out")])
+    pretrain = set_up_recipe(load_recipe(repo_root, "pretrain"), [
+        "--dataset", f"stdlib,{valid_inputs}/*.jsonl", "--tokenizer_name_or_path", str(valid_inputs / "tokenizer"),
+        "--output_dir", str(valid_inputs / "out")])
     assert pretrain[0].dataset.endswith("*.jsonl")
 
 

@@ -240,12 +240,11 @@ def test_the_plan_reaches_the_trainer_and_its_optimizer(tmp_path, optim):
 def test_recipe_configs_use_the_dial(tmp_path, pretrain_recipe, repo_root, name, depth, steps, batch, accumulation):
     """The FineWeb configs set no max_steps: a dry run (no data read, vocabulary --vocab_size 32768, one process)
     plans nanochat master's run for their depth."""
-    from hfl3.trainers.arguments import parse_recipe_args
+    from recipe_setup import recipe_main
 
-    script_args, model_args, training_args, setup = parse_recipe_args(pretrain_recipe.make_parser(), [
+    plan, (script_args, training_args, model_args) = recipe_main(pretrain_recipe, [
         "--config", str(repo_root / "recipes" / "configs" / f"{name}.yaml"), "--dry_run", "--use_cpu",
         "--output_dir", str(tmp_path / "never_written")])
-    plan = pretrain_recipe.main(script_args, training_args, model_args, setup)
     assert model_args.depth == depth and training_args.max_steps == -1  # nothing applied by a dry run
     assert (plan["max_steps"], plan["total_batch_size"], plan["gradient_accumulation_steps"]) == (
         steps, batch, accumulation)

@@ -279,11 +279,11 @@ def test_a_run_the_dial_cannot_size_ends_in_one_line_before_the_tokenizer_is_tra
     status 2 before it trains its BPE (no tokenizer written to the staging area, nothing in the output folder)."""
     monkeypatch.setattr(sys, "argv", ["recipes/pretrain.py"])
     output = tmp_path / "out"
-    script_args, model_args, training_args, setup = parse_recipe_args(pretrain_recipe.make_parser(), [
+    parsed = parse_recipe_args(pretrain_recipe.make_parser(), [
         "--config", str(repo_root / "recipes/configs/pretrain_tiny.yaml"), "--use_cpu", "--report_to", "none",
         "--output_dir", str(output), "--max_steps", "-1", "--target_flops", "1"])
     with pytest.raises(SystemExit) as exit_info, recipe_exits():
-        pretrain_recipe.main(script_args, training_args, model_args, setup)
+        pretrain_recipe.main(*parsed)
     assert exit_info.value.code == 2
     assert re.fullmatch(r"pretrain\.py: error: target_flops=1 is less than one step of [\d,]+ tokens: raise it, or "
                         r"lower --total_batch_size\n", capsys.readouterr().err)

@@ -1,4 +1,4 @@
-"""A local model or tokenizer folder is checked while the recipe's arguments are parsed, before any data is read: a
+"""A local model or tokenizer folder is checked when the recipe's arguments are checked, before any data is read: a
 `config.json` that is not JSON, no weights or weights cut short (headers only), no tokenizer, a tokenizer without the
 chat template hfl3's masks need, tokenizer files that are not JSON; each ends the recipe with one line naming the
 file and the fix, exit status 2, and nothing written."""
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from hfl3.data.chat import write_chat_jsonl
-from hfl3.trainers.arguments import parse_recipe_args
+from recipe_setup import set_up_recipe
 
 SAVE_AGAIN = "restore it from where the folder came from, or save the folder again with save_pretrained"
 MODEL = "a model folder (config.json and weights, as save_pretrained writes them) or a Hub model id"
@@ -103,7 +103,7 @@ def test_a_broken_folder_is_one_line_before_any_data_is_read(sft_recipe, valid, 
     arguments = ["--model_name_or_path", str(model), "--train_file", str(valid / "train.jsonl"),
                  "--output_dir", str(tmp_path / "out"), *[a.replace("{folder}", str(folder)) for a in extra]]
     with pytest.raises(SystemExit) as exit_info:
-        parse_recipe_args(sft_recipe.make_parser(), arguments)
+        set_up_recipe(sft_recipe, arguments)
     assert exit_info.value.code == 2
     usage, error = capsys.readouterr().err.splitlines()
     assert usage.startswith("usage: ")
@@ -112,17 +112,17 @@ def test_a_broken_folder_is_one_line_before_any_data_is_read(sft_recipe, valid, 
 
 
 def test_the_valid_folders_pass(sft_recipe, pretrain_recipe, valid, tmp_path, repo_root):
-    """The guard of the table above: the folders it breaks parse whole, and a folder without a chat template passes
-    with `--chat_template_path`."""
+    """The guard of the table above: the folders it breaks pass the checks whole, and a folder without a chat
+    template passes with `--chat_template_path`."""
     data = ["--train_file", str(valid / "train.jsonl"), "--output_dir", str(tmp_path / "out")]
     for folder in ("model", "sharded"):
-        parse_recipe_args(sft_recipe.make_parser(), ["--model_name_or_path", str(valid / folder), *data])
+        set_up_recipe(sft_recipe, ["--model_name_or_path", str(valid / folder), *data])
     no_template = tmp_path / "no_template"
     shutil.copytree(valid / "model", no_template)
     (no_template / "chat_template.jinja").unlink()
-    parse_recipe_args(sft_recipe.make_parser(), ["--model_name_or_path", str(no_template), *data,
-                                                 "--chat_template_path", str(valid / "template.jinja")])
-    parse_recipe_args(pretrain_recipe.make_parser(), [
+    set_up_recipe(sft_recipe, ["--model_name_or_path", str(no_template), *data,
+                               "--chat_template_path", str(valid / "template.jinja")])
+    set_up_recipe(pretrain_recipe, [
         "--config", str(repo_root / "recipes" / "configs" / "pretrain_tiny.yaml"), "--tokenizer_name_or_path",
         str(no_template), "--output_dir", str(tmp_path / "pretrain")])  # pretraining renders no template
 
@@ -132,7 +132,7 @@ def test_a_pretraining_tokenizer_that_is_not_json_is_one_line(pretrain_recipe, v
     shutil.copytree(valid / "tokenizer", folder)
     (folder / "tokenizer_config.json").write_text("")
     with pytest.raises(SystemExit) as exit_info:
-        parse_recipe_args(pretrain_recipe.make_parser(), [
+        set_up_recipe(pretrain_recipe, [
             "--config", str(repo_root / "recipes" / "configs" / "pretrain_tiny.yaml"), "--tokenizer_name_or_path",
             str(folder), "--output_dir", str(tmp_path / "out")])
     assert exit_info.value.code == 2

@@ -300,11 +300,11 @@ def test_the_recipe_ends_with_one_line_and_exit_2_when_nothing_valid_is_left(tmp
     AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3").save_pretrained(model)
     data = tmp_path / "bad.jsonl"
     data.write_bytes(b"".join(BAD_LINES))
-    script, model_args, args, setup = parse_recipe_args(sft_recipe.make_parser(), [
+    parsed = parse_recipe_args(sft_recipe.make_parser(), [
         "--model_name_or_path", str(model), "--train_file", str(data), "--output_dir", str(tmp_path / "out"),
         *flags])
     with pytest.raises(SystemExit) as exit_info, recipe_exits("sft_lora.py"):
-        sft_recipe.main(script, args, model_args, setup)
+        sft_recipe.main(*parsed)
     assert exit_info.value.code == 2
     line = capsys.readouterr().err.splitlines()[-1]  # after the progress bars of `datasets`
     assert line.startswith("sft_lora.py: error: " + message.format(data=data))

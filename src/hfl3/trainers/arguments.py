@@ -1,16 +1,18 @@
 """A recipe's arguments: parsed (`RecipeParser`, `parse_recipe_args`: `--config FILE` then the command line, a bad
-argument in one line with exit status 2) and checked once, in one pass, before any heavy work. The checks return what
-they decide (`RunSetup`: the resolved output folder, whether and when the run evaluates); the recipe's builder applies
-it. They never change the arguments they check.
+argument in one line with exit status 2; parsing only parses) and checked once, in one pass, before any heavy work,
+by the first call of the recipe's `main` (`hfl3.trainers.setup.set_up_pretraining`, `set_up_sft`). The checks return
+what they decide (`RunSetup`: the resolved output folder, whether and when the run evaluates); the recipe's builder
+applies it. They never change the arguments they check. Every function here takes a recipe's arguments in the
+parser's order: (script, training, model), TRL's.
 
 Which check lives where, and why:
-- here, run by the parser on every rank (`check_pretrain_inputs`, `check_sft_inputs`): every path and name given
+- here, run on every rank by `set_up_*` (`check_pretrain_inputs`, `check_sft_inputs`): every path and name given
   (the output folder, the resume checkpoint, corpora, datasets, models, tokenizers, templates), combinations of
   arguments, and what a flag cannot do in this recipe;
 - in the argument classes' `__post_init__` (`check_training_arguments` and the classes' own): values that need no
   other argument, so that a `PretrainConfig` or `ChatSFTConfig` built in Python is refused the same way;
-- first in the recipe's `main` (`hfl3.trainers.launch.check_launch`): the launch as accelerate set it up, which needs
-  the process group;
+- first in `set_up_*` (`hfl3.trainers.launch.check_launch`): the launch as accelerate set it up, which needs the
+  process group;
 - when the Trainer exists (`hfl3.optim.refuse_unsupported_sharding`, `hfl3.fp8.check_ao_backend`): what Muon or
   accelerate's FP8 backend cannot run under, read from accelerate's state and the model.
 
@@ -36,7 +38,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +53,7 @@ from trl import TrlParser
 
 from hfl3.data.sft_sources import BUILDERS, check_jsonl_file, dataset_splits
 from hfl3.data.sources import LOCAL_SUFFIXES, file_format
-from hfl3.distributed import check_same_on_all_ranks, on_all_ranks, rank
+from hfl3.errors import InputError
 from hfl3.evaluate import check_core_bundle
 from hfl3.evaluate.chat_callback import check_chatcore_setup
 from hfl3.provenance.hub import is_hub_id
@@ -80,6 +82,12 @@ PER_MACHINE_ARGUMENTS = frozenset({"output_dir", "logging_dir", "local_rank", "r
 which global rank 0 resolves for all (`hfl3.trainers.outputs.prepare_output_dir`)."""
 
 
+class ArgumentsError(InputError):
+    """An argument a recipe's checks refused (a path that does not exist, a combination that cannot act:
+    `hfl3.trainers.setup`): one line naming the argument, the value and what was expected, which the recipe shows
+    under argparse's usage line with exit status 2, as for an argument argparse refuses (`recipe_exits`)."""
+
+
 @dataclass(frozen=True)
 class Evaluation:
     """Whether a run evaluates, decided once from its arguments and data (`decide_evaluation`).
@@ -95,8 +103,8 @@ class Evaluation:
 
 @dataclass(frozen=True)
 class RunSetup:
-    """What the checks of a recipe's arguments decided, carried into its builder (`RecipeParser` returns it after
-    the parsed dataclasses).
+    """What the checks of a recipe's arguments decided, carried into its builder (`hfl3.trainers.setup`'s
+    `set_up_pretraining` and `set_up_sft` return it).
 
     Attributes:
         output: where the run writes (`hfl3.trainers.outputs.prepare_output_dir`); None for a dry run.
@@ -113,28 +121,25 @@ class RunSetup:
 
 
 class RecipeParser(TrlParser):
-    """`TrlParser` that runs `check(*parsed)` on the dataclasses it parsed (in the parser's order), inside
-    `parse_args_and_config`, and returns the dataclasses followed by the `RunSetup` the check returns: what `check`
-    raises is an argument error for `parse_recipe_args`.
+    """TRL's `TrlParser` (`--config FILE`, then the command line) over a recipe's argument classes, in TRL's order
+    (script, training, model): `parse_args_and_config` returns the parsed dataclasses and nothing else; it reads no
+    file but the `--config` one, and needs no process group and no Hub (checking the values is the first thing the
+    recipe's `main` does, `hfl3.trainers.setup`).
 
-    In a launch of several processes every rank parses and checks; before the check, the arguments must be the same
-    on every rank (but `PER_MACHINE_ARGUMENTS`), and a check that fails on one machine (a file it lacks) fails on
-    every rank with the same line naming that machine (`hfl3.distributed.on_all_ranks`), so that no rank is left
-    waiting for the others. Collectives inside `check` must be such agreeing ones too."""
+    `--config FILE` is documented in `--help`, first among the options, and the usage line is short:
+    `usage: PROG [--config FILE] [options] (--help lists them)` (argparse's would list every option, hundreds of
+    lines, also above each error message). `TrlParser.parse_args_and_config` takes `--config` out of the arguments
+    itself before argparse sees them, so the argument only shows in the help (`default=SUPPRESS`: it never reaches
+    the parsed dataclasses). The recipe's dataclasses carry `_argument_group_name`, so each is its own group of
+    options listed after this one, in the parser's order."""
 
-    def __init__(self, dataclass_types: Sequence[type], check: Callable[..., RunSetup]):
+    def __init__(self, dataclass_types: Sequence[type]):
         super().__init__(dataclass_types)
-        self.check = check
-
-    def parse_args_and_config(self, args: Iterable[str] | None = None, **kwargs) -> tuple:
-        args = list(args) if args is not None else sys.argv[1:]
-        given = self.given_arguments(args)
-        parsed = super().parse_args_and_config(args, **kwargs)
-        values = parsed[: len(self.dataclass_types)]
-        check_same_on_all_ranks(launch_arguments(values), "the arguments", "start every machine with the same "
-                                "command line (only accelerate's --machine_rank differs)")
-        setup = on_all_ranks(lambda: self.check(*values, given=given))[rank()]
-        return (*values, setup, *parsed[len(self.dataclass_types):])
+        self.usage = "%(prog)s [--config FILE] [options] (--help lists them)"
+        self.add_argument(
+            "--config", metavar="FILE", default=argparse.SUPPRESS,
+            help="YAML file of option values (recipes/configs/*.yaml); options given on the command line override it",
+        )
 
     def given_arguments(self, args: Sequence[str]) -> frozenset[str]:
         """The fields `args` set explicitly: keys of the `--config` YAML file and options on the command line
@@ -187,41 +192,24 @@ def parsed_secrets(*parsed) -> list[str]:
             if is_secret(field.name) and isinstance(getattr(values, field.name), str)]
 
 
-def add_config_argument(parser):
-    """Document `--config FILE` in the recipe's `--help`, first among the options, and shorten the usage line to
-    `usage: PROG [--config FILE] [options] (--help lists them)` (argparse's would list every option, hundreds of lines,
-    also above each error message). `TrlParser.parse_args_and_config` takes `--config` out of the arguments itself
-    before argparse sees them, so the argument only shows in the help (`default=SUPPRESS`: it never reaches the
-    parsed dataclasses). The recipe's dataclasses carry `_argument_group_name`, so each is its own group of options
-    listed after this one, in the parser's order.
-
-    Returns:
-        `parser`.
-    """
-    parser.usage = "%(prog)s [--config FILE] [options] (--help lists them)"
-    parser.add_argument(
-        "--config", metavar="FILE", default=argparse.SUPPRESS,
-        help="YAML file of option values (recipes/configs/*.yaml); options given on the command line override it",
-    )
-    return parser
-
-
 def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
     """`parser.parse_args_and_config(args)` (a TRL `TrlParser`: `--config FILE`, then command-line overrides), where
     a bad argument stops the program with one message instead of a traceback: the usage line (short, from
-    `add_config_argument`), then `PROG: error: <what is wrong>`, exit status 2 (argparse's convention).
+    `RecipeParser`), then `PROG: error: <what is wrong>`, exit status 2 (argparse's convention).
 
     Bad arguments: those argparse rejects (an invalid value, a missing one), flags no argument class declares, a
     `--config` file that cannot be read or is not a YAML mapping, and values an argument class rejects in its
     `__post_init__` (`ValueError`/`TypeError`, e.g. `--eval_strategy bogus`). The message never shows a credential:
-    the values given to fields that hold one (`--hub_token`) and any `hf_...` token are `<redacted>`.
+    the values given to fields that hold one (`--hub_token`) and any `hf_...` token are `<redacted>`. What the
+    recipe's checks refuse later (`hfl3.trainers.setup.ArgumentsError`) ends the same way, through
+    `hfl3.trainers.exits.recipe_exits`.
 
     Args:
-        parser: the recipe's `TrlParser`, through `add_config_argument`.
+        parser: the recipe's `RecipeParser`.
         args: the arguments (default: `sys.argv[1:]`).
 
     Returns:
-        The parsed dataclasses and the `RunSetup`, as `RecipeParser.parse_args_and_config` returns them.
+        The parsed dataclasses, in the parser's order (script, training, model).
     """
     args = list(args) if args is not None else sys.argv[1:]
     try:
@@ -232,8 +220,7 @@ def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
 
 def check_training_arguments(args) -> None:
     """Refuse arguments that would train nothing or the wrong way, before any data work (call it from a
-    `TrainingArguments` subclass's `__post_init__`, so that `parse_recipe_args` shows it as an
-    argument error).
+    `TrainingArguments` subclass's `__post_init__`, so that `parse_recipe_args` shows it as an argument error).
 
     Raises:
         ValueError: a value of `OPTIMIZER_BOUNDS` outside its range (`learning_rate <= 0`, a negative `--matrix_lr`,
@@ -469,10 +456,10 @@ def check_sft_dataset(name: str, config: str | None = None, splits: dict[str, st
                              f"{', '.join(sorted(available))}")
 
 
-def check_pretrain_inputs(script_args, model_args, training_args, given: frozenset[str] = frozenset()) -> RunSetup:
-    """`recipes/pretrain.py`'s arguments, run by its parser: the output folder, resume checkpoint and push
-    (`prepare_output_dir`), the corpora, the CORE bundle and the tokenizer. A dry run reads no data and leaves the
-    output folder alone: only its tokenizer is checked.
+def check_pretrain_inputs(script_args, training_args, model_args, given: frozenset[str] = frozenset()) -> RunSetup:
+    """`recipes/pretrain.py`'s arguments, checked by `set_up_pretraining` on every rank: the output folder, resume
+    checkpoint and push (`prepare_output_dir`), the corpora, the CORE bundle and the tokenizer. A dry run reads no
+    data and leaves the output folder alone: only its tokenizer is checked.
 
     Returns:
         The `RunSetup`: the output folder (None for a dry run) and the evaluation (`decide_evaluation`; the
@@ -481,7 +468,7 @@ def check_pretrain_inputs(script_args, model_args, training_args, given: frozens
     Raises:
         ValueError, OSError: one line naming the argument, the value and what was expected.
     """
-    refuse_flags("pretrain", given, script_args, model_args, training_args)
+    refuse_flags("pretrain", given, script_args, training_args, model_args)
     output = None
     if not script_args.dry_run:
         output = prepare_output_dir(training_args)
@@ -540,9 +527,9 @@ def apply_evaluation(training_args, evaluation: Evaluation) -> None:
         training_args.load_best_model_at_end = False
 
 
-def check_sft_inputs(script_args, model_args, training_args, given: frozenset[str] = frozenset()) -> RunSetup:
-    """`recipes/sft_lora.py`'s arguments, run by its parser: the flags that cannot act (`refuse_flags`),
-    `prepare_output_dir` (output folder, resume checkpoint, a push's `--hub_model_id` and network),
+def check_sft_inputs(script_args, training_args, model_args, given: frozenset[str] = frozenset()) -> RunSetup:
+    """`recipes/sft_lora.py`'s arguments, checked by `set_up_sft` on every rank: the flags that cannot act
+    (`refuse_flags`), `prepare_output_dir` (output folder, resume checkpoint, a push's `--hub_model_id` and network),
     `check_sft_arguments`, the model and tokenizer (`check_sft_model`), then every other path and name given; a push
     needs a Hub id for the base model (`base_model_hub_id`).
 
@@ -552,7 +539,7 @@ def check_sft_inputs(script_args, model_args, training_args, given: frozenset[st
     Raises:
         ValueError, OSError: one line naming the argument, the value and what was expected.
     """
-    refuse_flags("sft_lora", given, script_args, model_args, training_args)
+    refuse_flags("sft_lora", given, script_args, training_args, model_args)
     output = prepare_output_dir(training_args)
     has_eval_data = check_sft_arguments(script_args, training_args, model_args)
     evaluation = decide_evaluation(training_args, has_eval_data, resuming=bool(output.resume_checkpoint))

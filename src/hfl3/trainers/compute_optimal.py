@@ -91,8 +91,8 @@ def auto_total_batch_size(target_tokens: float, reference_tokens: float) -> int:
 
 class PlanError(InputError):
     """A run the dial cannot size (a batch that does not divide, a budget under one step, a contradicting
-    `--gradient_accumulation_steps`); the message names the numbers and the fix. Raised at parse time by the
-    arguments' own checks, or by `compute_optimal_plan` once the model is known: the recipes end with it in one line,
+    `--gradient_accumulation_steps`); the message names the numbers and the fix. Raised while the arguments are
+    parsed or checked, or by `compute_optimal_plan` once the model is known: the recipes end with it in one line,
     exit status 2 (`hfl3.trainers.exits`)."""
 
 

@@ -1,5 +1,5 @@
 """Every field of both recipes' argument classes, accounted for: each is honoured with TRL's or transformers' meaning
-(`HONOURED`: where and how), refused in one line with exit status 2 while the arguments are parsed, before any model
+(`HONOURED`: where and how), refused in one line with exit status 2 when the arguments are checked, before any model
 or data is loaded (`REFUSED`: why), or not applicable here (`NOT_APPLICABLE`: why), per recipe (`recipes/pretrain.py`
 is "pretrain", `recipes/sft_lora.py` "sft_lora"). The fields are those of the recipes' argument classes as installed,
 inherited ones included (every field of transformers' `TrainingArguments`, TRL's `SFTConfig` and `ModelConfig`);
@@ -248,7 +248,7 @@ TRAINER_NOT_APPLICABLE = {
 
 _PRETRAIN_HONOURED = {
     # PretrainScriptArguments
-    "dataset": "hfl3.data.sources.open_corpus (checked at parse time: check_corpus)",
+    "dataset": "hfl3.data.sources.open_corpus (checked before any work: check_corpus)",
     "dataset_config": "open_corpus",
     "dataset_split": "open_corpus",
     "text_column": "open_corpus",
@@ -260,7 +260,7 @@ _PRETRAIN_HONOURED = {
     "document_max_chars": "PackedStream",
     "shuffle_buffer": "PackedStream",
     "packing_buffer": "PackedStream",
-    "tokenizer_name_or_path": "prepare_tokenizer (checked at parse time)",
+    "tokenizer_name_or_path": "prepare_tokenizer (checked before any work)",
     "vocab_size": "train_tokenizer; --dry_run's vocabulary",
     "tokenizer_train_chars": "prepare_tokenizer",
     "l3_sample_tokens": "build_model: the LZW allocation's sample",
@@ -283,7 +283,7 @@ _PRETRAIN_HONOURED = {
     "total_batch_size": "compute_optimal_plan",
     "core_metric_every": "CoreMetricCallback",
     "core_metric_max_per_task": "CoreMetricCallback",
-    "core_bundle_dir": "CoreMetricCallback (checked at parse time: check_core_bundle)",
+    "core_bundle_dir": "CoreMetricCallback (checked before any work: check_core_bundle)",
     "use_muon": "PretrainTrainer.create_optimizer (OptimizerMixin)",
     **{name: "MuonAdamW's group LR (hfl3.optim.settings)" for name in GROUP_LEARNING_RATES},
     "warmdown_ratio": "OptimizerMixin.create_scheduler",
@@ -326,13 +326,13 @@ _PRETRAIN_NOT_APPLICABLE = {
 
 _SFT_HONOURED = {
     # SFTScriptArguments
-    "dataset_name": "load_sft_data (checked at parse time: check_sft_dataset)",
+    "dataset_name": "load_sft_data (checked before any work: check_sft_dataset)",
     "dataset_config": "load_sft_data",
     "dataset_train_split": "load_sft_data",
     "dataset_test_split": "load_sft_data",
-    "train_file": "load_sft_data (checked at parse time)",
+    "train_file": "load_sft_data (checked before any work)",
     "stdlib_chats": "build_sft_trainer",
-    "eval_file": "load_sft_data (checked at parse time)",
+    "eval_file": "load_sft_data (checked before any work)",
     "val_split": "load_sft_data: a seeded split by record",
     "skip_invalid_records": "load_sft_data",
     "merge": "finish_sft: merged/",
@@ -341,7 +341,7 @@ _SFT_HONOURED = {
     "split_reasoning_turns": "load_sft_data",
     "ignore_empty_reasoning": "load_sft_data",
     # SFTModelArguments: TRL's ModelConfig and hfl3's fields
-    "model_name_or_path": "load_base_model (folder checked at parse time: check_model_folder)",
+    "model_name_or_path": "load_base_model (folder checked before any work: check_model_folder)",
     "model_revision": "load_base_model, load_sft_tokenizer",
     "dtype": "load_base_model",
     "attn_implementation": "load_base_model",
@@ -360,7 +360,7 @@ _SFT_HONOURED = {
     "use_bnb_nested_quant": "load_base_model (check_quantization_arguments)",
     "bnb_4bit_quant_storage": "load_base_model (check_quantization_arguments)",
     "gguf_file": "load_base_model, load_sft_tokenizer",
-    "tokenizer_name_or_path": "load_sft_tokenizer (checked at parse time)",
+    "tokenizer_name_or_path": "load_sft_tokenizer (checked before any work)",
     "base_model_hub_id": "the pushed adapter_config.json and card",
     # TRL's SFTConfig
     "model_init_kwargs": "load_base_model (over --dtype, as trl sft)",
@@ -401,7 +401,7 @@ _SFT_HONOURED = {
     "chatcore_max_cat": "chatcore_problems_for_training",
     "chatcore_max_sample": "chatcore_problems_for_training",
     "chatcore_max_new_tokens": "ChatCoreCallback",
-    "chatcore_data_dir": "chatcore_problems_for_training (checked at parse time: check_chatcore_setup)",
+    "chatcore_data_dir": "chatcore_problems_for_training (checked before any work: check_chatcore_setup)",
     # TrainingArguments fields whose use is SFT's own
     "num_train_epochs": "the Trainer's",
     "auto_find_batch_size": "the Trainer's",
@@ -538,7 +538,7 @@ def refuse_flags(recipe: str, given: frozenset[str], *parsed) -> None:
 
 def check_model_flags(model_args, training_args) -> None:
     """The SFT flags that act only on some models, checked against the model's config (read, no weight), while the
-    arguments are parsed: `--router_aux_loss_coef` (TRL weighs a Mixture-of-Experts model's router loss; the config
+    arguments are checked: `--router_aux_loss_coef` (TRL weighs a Mixture-of-Experts model's router loss; the config
     must declare `output_router_logits`), and `--lora_target_modules` on a copy of the model built on the meta
     device: a list of names as PEFT matches them (a name, or the end of a dotted name), one value with
     regular-expression syntax as TRL and PEFT take it (matched against whole module names), each module matched of a

@@ -1,6 +1,7 @@
 """How a recipe was launched: accelerate's setup checked against the launch (`check_launch`), the gloo process group of a
-`--use_cpu` launch set up with `--ddp_timeout` (`ProcessGroupTimeout`), and the recipes' log format. Their arguments are parsed and checked by
-`hfl3.trainers.arguments`; how every multi-process entry point ends is `hfl3.distributed.end_distributed_run`."""
+`--use_cpu` launch set up with `--ddp_timeout` (`ProcessGroupTimeout`), and the recipes' log format. Their arguments
+are parsed by `hfl3.trainers.arguments` and checked by `hfl3.trainers.setup`; how every multi-process entry point ends
+is `hfl3.distributed.end_distributed_run`."""
 
 import logging
 import os

@@ -77,7 +77,7 @@ class OutputFolderMixin:
     `hub_revision` (the branch, created if missing).
 
     Args:
-        output_folder: where the run writes, as the recipe's `prepare_output_dir` resolved it while parsing (the
+        output_folder: where the run writes, as the recipe's `prepare_output_dir` resolved it before any work (the
             resume checkpoint, the replacing run's checkpoint folder, the machines' disks); without it, `train`
             resolves it once, the same way, from `args.output_dir` and its `resume_from_checkpoint` argument.
 
@@ -339,7 +339,7 @@ class OutputFolderMixin:
         """Upload the committed output folder (or `folder` inside it, e.g. `merged`) to `hub_model_id` when
         `--push_to_hub` was given (main process; huggingface_hub's `upload_folder`, checkpoints and staging left
         out), on the branch `--hub_revision` when given (created if missing: `push_folder_to_hub`). This is
-        `--hub_strategy end`, the one strategy hfl3 runs (the others are refused while the arguments are parsed).
+        `--hub_strategy end`, the one strategy hfl3 runs (the others are refused when the arguments are checked).
         Files that `hub_files` rewrites are uploaded from a copy in `_hfl3_staging/upload` (the other files
         hard-linked there), which is removed afterwards. Returns the commit URL, or None when nothing was pushed."""
         if not (self.push_at_end and self.is_world_process_zero()):

@@ -2,7 +2,7 @@
 whole; nothing is lost, and nothing of this machine leaks. The Trainer side (staged checkpoints, the final folder,
 resume checks) is `hfl3.trainers.output_mixins`.
 
-- `prepare_output_dir(args) -> OutputFolder`: the recipes' first call (made while their arguments are parsed), whose
+- `prepare_output_dir(args) -> OutputFolder`: the recipes' first call (made when their arguments are checked), whose
   result the trainer holds (`OutputFolderMixin(output_folder=...)`): nothing re-derives it. Refuses a non-empty
   `output_dir` unless the run resumes (`--resume_from_checkpoint latest|true|PATH`) or `--overwrite_output_dir` is
   given, and a push that could not happen; resolves `latest`/`true` to the newest complete checkpoint
@@ -159,7 +159,7 @@ class OutputFolder:
 
 
 def prepare_output_dir(args, refuse: bool = True) -> OutputFolder:
-    """Check and resolve where a run writes, before any data or model work; the recipes call it once, while parsing
+    """Check and resolve where a run writes, before any data or model work; the recipes call it once, when checking
     their arguments (so a refusal is an argument error, exit status 2), and hand the result to the trainer. `args` is
     not changed: `resume_from_checkpoint` keeps what was asked, the folder resolved is `resume_checkpoint`.
 

@@ -58,8 +58,8 @@ class PretrainConfig(ProcessGroupTimeout, MuonTrainingArguments, TrainingArgumen
     `total_batch_size` (tokens per optimizer step; -1 = auto, B ∝ D^0.383 around 2^19 at d12) sets
     `gradient_accumulation_steps`, and then every group's LR is scaled by √(B/2^19) and `weight_decay` (λ_ref) by
     √(B/2^19)·D_ref/D. A recipe computes the plan with `compute_optimal_plan` once the model's vocabulary is known and
-    applies it with `compute_optimal.apply_plan` before building the Trainer. With `max_steps` given and no `total_batch_size`
-    the run is sized by hand, as before: nothing is rescaled. `num_train_epochs` is not used by a streamed run: the
+    applies it with `compute_optimal.apply_plan` before building the Trainer. With `max_steps` given and no
+    `total_batch_size` the run is sized by hand, as before: nothing is rescaled. `num_train_epochs` is not used by a streamed run: the
     stream repeats and `max_steps` (given or planned) ends it; `warmup_steps` below 1 and `warmdown_ratio` are
     fractions of that `max_steps`.
 
