@@ -4,14 +4,15 @@
 import hashlib
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from accelerate.utils import DistributedType, gather_object
 from transformers import EvalPrediction, Trainer, TrainingArguments
-from transformers.trainer_utils import speed_metrics
 
 from hfl3 import fp8
 from hfl3.callbacks import BeforeLogSaveEvaluate, ThroughputCallback
@@ -21,10 +22,10 @@ from hfl3.evaluate.callback import CoreMetricCallback, check_core_arguments
 from hfl3.models.l3gpt.modeling_l3gpt import LOSS_IMPLEMENTATIONS
 from hfl3.trainers.arguments import check_training_arguments
 from hfl3.trainers.compute_optimal import derive_gradient_accumulation_steps
-from hfl3.trainers.guards import NonFiniteGuard
+from hfl3.trainers.cards import l3gpt_model_card, usage_name
+from hfl3.trainers.hooks import TrainerHooks
 from hfl3.trainers.launch import ProcessGroupTimeout
-from hfl3.trainers.optimizers import MuonTrainingArguments, OptimizerMixin
-from hfl3.trainers.output_mixins import PretrainOutputs
+from hfl3.trainers.optimizers import MuonTrainingArguments
 
 logger = logging.getLogger(__name__)
 
@@ -265,30 +266,41 @@ class BitsPerByte:
         return {"bpb": float(nats[counted].sum() / (math.log(2) * max(total_bytes, 1)))}
 
 
-class PretrainTrainer(NonFiniteGuard, OptimizerMixin, PretrainOutputs, Trainer):  # any order of the mixins (decision 19)
-    """HF Trainer for pretraining. Overrides the optimizer (one place: `create_optimizer`), the default WSD
-    schedule's step counts and the input-token count (no device sync per step); evaluation runs with hfl3 FP8
-    layers swapped back to high precision.
+class PretrainTrainer(TrainerHooks, Trainer):
+    """HF Trainer for pretraining, with hfl3's hooks (`hfl3.trainers.hooks.TrainerHooks`: the optimizer and its WSD
+    schedule, the NaN/inf guard, staged checkpoints and output folders with provenance). Its own: the streamed
+    training data's DataLoader, the input-token count (no device sync per step), weight decay on matrices only, and
+    evaluation with hfl3 FP8 layers swapped back to high precision.
 
     A `PackedStream` as `train_dataset` is read per process and DataLoader worker (`hfl3.data.streaming.
     stream_dataloader`: a plain DataLoader, since accelerate would otherwise read an IterableDataset on rank 0 and
     dispatch its batches, or give every rank the whole stream); each consumed batch updates `data_progress` (worker
     states, chained sha256 of the rows), which every checkpoint saves (`data_state_rank{R}.safetensors`) and
     `train(resume_from_checkpoint=...)` restores, so a resumed run consumes exactly the rows an uninterrupted run
-    would have. Output folders and checkpoints as `hfl3.trainers.output_mixins.PretrainOutputs` makes them (staged,
-    renamed when complete with every rank's state, resume from `latest`, provenance on every save).
+    would have.
 
     Private Trainer hook: `_track_num_input_tokens` (see its docstring; signature pinned by
-    `tests/test_trainer_hooks.py`); the rest are public (`get_train_dataloader`, `get_batch_samples`,
-    `create_optimizer`, `create_scheduler`, `log`, `evaluate`) or `OutputFolderMixin`'s."""
+    `tests/test_trainer_hooks.py`); the rest are public (`get_train_dataloader`, `floating_point_ops`,
+    `get_decay_parameter_names`, `evaluate`) or `TrainerHooks`'."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    drops_session_throughput = True  # a training log's throughput is ThroughputCallback's tok_per_sec alone
+    batches_to_device = True
+
+    def hand_over_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments the Trainer is built with: those given (`TrainerHooks.__init__`)."""
+        return args, kwargs
+
+    def set_up(self) -> None:
+        """After the Trainer's `__init__`: the host token count and the callback that sums it at every log, save and
+        evaluation; `ThroughputCallback` before the reporting integrations (W&B, TensorBoard, ...: the Trainer puts
+        them before the callbacks passed in, and they would report without `tok_per_sec` and `mfu`, which it writes
+        into the logs in its `on_log`).
+
+        Raises:
+            ValueError: a streamed `train_dataset` with `ignore_data_skip` False."""
         self._pending_input_tokens = 0
         self._non_embedding_parameters = None
         self.add_callback(BeforeLogSaveEvaluate(lambda control: self._count_pending_input_tokens()))
-        # ThroughputCallback writes tok_per_sec and mfu into the logs in its on_log; the Trainer puts the reporting
-        # integrations (W&B, TensorBoard, ...) before the callbacks passed in, and they would report without them
         handler = self.callback_handler
         first = [callback for callback in handler.callbacks if isinstance(callback, ThroughputCallback)]
         handler.callbacks = first + [callback for callback in handler.callbacks if callback not in first]
@@ -296,6 +308,14 @@ class PretrainTrainer(NonFiniteGuard, OptimizerMixin, PretrainOutputs, Trainer):
         if isinstance(self.train_dataset, PackedStream) and not self.args.ignore_data_skip:
             raise ValueError("a streamed train_dataset resumes from the state saved in the checkpoint: set "
                              "ignore_data_skip=True (PretrainConfig's default); skipping batches would re-read it")
+
+    def model_card(self, metadata: Mapping[str, Any]) -> dict:
+        """`write_model_card` arguments for the pretrained L3GPT (`l3gpt_model_card`)."""
+        return l3gpt_model_card(metadata, usage_name(self))
+
+    def hub_files(self, folder: Path) -> dict[str, Any]:
+        """Files of `folder` whose pushed copy differs from the local one: none."""
+        return {}
 
     def get_train_dataloader(self):
         """With a streamed `train_dataset`: a plain DataLoader over it (`stream_dataloader`), starting where the
@@ -312,34 +332,6 @@ class PretrainTrainer(NonFiniteGuard, OptimizerMixin, PretrainOutputs, Trainer):
                      multiprocessing_context=self.args.dataloader_multiprocessing_context) if workers else {}
         return stream_dataloader(self.train_dataset, self.args.train_batch_size, self.data_collator, self.data_progress,
                                  workers, pin_memory=self.args.dataloader_pin_memory, **extra)
-
-    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
-        """The Trainer's batches for one optimizer step, on `device`: the stream state each carries moves into
-        `data_progress` (from the host rows), then its tensors are copied to the device without blocking (the
-        DataLoader pins them), so that the Trainer counts `num_items_in_batch` on the device and its
-        `_prepare_inputs` finds them there: no host wait per tensor, where a blocking copy of each (and of the count)
-        would drain the GPU's queue every step."""
-        return super().get_batch_samples(self._batches_on_device(epoch_iterator, num_batches, device), num_batches,
-                                         device)
-
-    def _batches_on_device(self, epoch_iterator, num_batches: int, device: torch.device):
-        for _ in range(num_batches):
-            try:
-                batch = next(epoch_iterator)
-            except StopIteration:
-                return
-            state = batch.pop(DATA_STATE_KEY, None)
-            if state is not None:
-                self.data_progress.consume(state, batch["input_ids"])
-            yield {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
-                   for key, value in batch.items()}
-
-    def save_resume_state(self, folder) -> None:
-        """`hfl3_run.json` and this process's data-stream progress (`data_state_rank{R}.safetensors`), written into
-        the staged checkpoint before it is renamed complete."""
-        super().save_resume_state(folder)
-        if self.data_progress is not None:
-            self.data_progress.save(folder)
 
     def stream_summary(self) -> dict | None:
         """What the streamed training consumed on all processes (a collective: call it on every rank): per-rank
@@ -387,13 +379,6 @@ class PretrainTrainer(NonFiniteGuard, OptimizerMixin, PretrainOutputs, Trainer):
             pending = int(self.accelerator.gather(torch.tensor([pending], device=self.args.device)).sum())
         self.state.num_input_tokens_seen += pending
         self._pending_input_tokens = 0
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """`Trainer.log` without its `train_tokens_per_second`: a training log's throughput is `ThroughputCallback`'s
-        `tok_per_sec` alone (why: its docstring). `train_runtime`, the seconds since `train()` began, stays."""
-        if start_time is not None:
-            logs.update(speed_metrics("train", start_time))
-        super().log(logs)
 
     def evaluate(self, *args, **kwargs):
         with fp8.float8_disabled(self.model):

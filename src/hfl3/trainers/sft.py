@@ -1,14 +1,16 @@
 """SFT on chat data: `ChatSFTConfig(SFTConfig)`, `ChatSFTTrainer(SFTTrainer)` and the extra outputs (`save_samples`,
-`save_merged_model`); the output folder (staging, provenance, card, loss plot, push) is `hfl3.trainers.output_mixins`'.
+`save_merged_model`); the output folder (staging, provenance, card, loss plot, push) is `hfl3.trainers.hooks`'.
 `hfl3.trainers.sft_builder` builds a run (tokenizer, data, base model, trainer) for `recipes/sft_lora.py`."""
 
 import copy
+import json
 import logging
 import math
 import os
-from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import TrainingArguments
@@ -19,15 +21,15 @@ import hfl3  # noqa: F401  (registers L3GPT with the Auto classes)
 from hfl3.atomic import write_json_atomic
 from hfl3.evaluate.chat_callback import ChatCoreArguments, ChatCoreCallback, check_chatcore_arguments
 from hfl3.generation import answer_prompts
-from hfl3.provenance import base_lineage, stamp_folder
+from hfl3.provenance import base_lineage, portable, stamp_folder
 from hfl3.trainers.arguments import check_training_arguments
 from hfl3.trainers.base_model import merge_adapter
 from hfl3.trainers.cards import sft_model_card, usage_name
 from hfl3.trainers.flags import with_choices
-from hfl3.trainers.guards import NonFiniteGuard
+from hfl3.trainers.hooks import TrainerHooks
 from hfl3.trainers.launch import ProcessGroupTimeout
-from hfl3.trainers.optimizers import MuonTrainingArguments, OptimizerMixin
-from hfl3.trainers.output_mixins import SFTOutputs
+from hfl3.trainers.optimizers import MuonTrainingArguments
+from hfl3.trainers.outputs import base_model_hub_id
 from hfl3.trainers.supervised_nll import LOGIT_SCALE_FIELDS, add_supervised_nll
 
 logger = logging.getLogger(__name__)
@@ -192,7 +194,7 @@ class ChatSFTConfig(ProcessGroupTimeout, ChatCoreArguments, MuonTrainingArgument
         return None
 
 
-class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  # any order of the mixins (decision 19)
+class ChatSFTTrainer(TrainerHooks, SFTTrainer):
     """TRL's `SFTTrainer` for pre-tokenized, pre-masked rows, with provenance on every save.
 
     Differences from `SFTTrainer`:
@@ -203,18 +205,21 @@ class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  #
       and otherwise scores every position through an eager online-softmax loop over 4096 × 32768 tiles (slower, and
       more memory on CPU); on GPUs TRL's fused, chunked path is kept. Neither builds `(batch, seq, vocab)` logits.
       The compact path logs what TRL's would (`mean_token_accuracy` per micro-batch, averaged at each log;
-      `num_tokens`, the non-padding training tokens so far), kept by hfl3 and added in `log`;
+      `num_tokens`, the non-padding training tokens so far), kept in `micro_batch_metrics` and added to the next log
+      (`TrainerHooks.log`);
     - `eval_loss` is the token-weighted mean NLL over all supervised tokens of the evaluation set (HF averages the
       per-batch means), and `eval_perplexity = exp(eval_loss)` is added (same for any `metric_key_prefix`);
-    - output folders and checkpoints as `hfl3.trainers.output_mixins.SFTOutputs` makes them: staged and renamed when
-      complete, resumable from `latest`, no `training_args.bin`, and with `provenance` (a `build_metadata` dict)
-      `metadata.json`, the `.safetensors` headers and the model card on every save.
+    - output folders and checkpoints as hfl3's hooks make them (`hfl3.trainers.hooks.TrainerHooks`): staged and
+      renamed when complete, resumable from `latest`, no `training_args.bin`, and with `provenance` (a
+      `build_metadata` dict) `metadata.json`, the `.safetensors` headers and the adapter's card on every save; the
+      adapter's `adapter_config.json` names a local base by its absolute path, and the copy pushed to the Hub the
+      base's Hub id (`hub_files`).
 
     Args:
         provenance: metadata to attach to every saved artifact; may be replaced before the final `save_model`.
         train_supervised_tokens: the supervised tokens of one epoch of `train_dataset` (`SFTData`), for the results'
             `train_supervised_tokens` and their rate (`run_results`).
-        **kwargs: as for `SFTTrainer` (and `output_folder`: `OutputFolderMixin`'s).
+        **kwargs: as for `SFTTrainer` (and `output_folder`, `optimizer_state`: `TrainerHooks`').
 
     Raises:
         ValueError: a train/eval dataset has `input_ids` but no `labels`.
@@ -222,12 +227,17 @@ class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  #
 
     _tag_names = ["trl", "sft", "hfl3", "lora"]
 
-    def __init__(self, *args, provenance: dict | None = None, train_supervised_tokens: int | None = None, **kwargs):
+    def hand_over_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments `SFTTrainer` is built with (`TrainerHooks.__init__` calls this first): what TRL would do
+        again to hfl3's finished rows, handed over off in a copy of the training arguments: its assistant-only masks
+        (it refuses the flag with tokenized rows, asking for a conversational dataset and a template with generation
+        markers), and, for padding-free rows without packing, the `max_length` it refuses them with (it asks for
+        rows truncated already, which hfl3's are). Takes `train_supervised_tokens` out of `kwargs`.
+
+        Raises:
+            ValueError: a train/eval dataset has `input_ids` but no `labels`."""
+        self.train_supervised_tokens = kwargs.pop("train_supervised_tokens", None)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        # What TRL would do again to hfl3's finished rows, handed over off in a copy of the arguments: its
-        # assistant-only masks (it refuses the flag with tokenized rows, asking for a conversational dataset and a
-        # template with generation markers), and, for padding-free rows without packing, the `max_length` it
-        # refuses them with (it asks for rows truncated already, which hfl3's are)
         handed = {}
         if training_args is not None and training_args.assistant_only_loss:
             handed["assistant_only_loss"] = False
@@ -246,15 +256,42 @@ class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  #
             columns = getattr(dataset, "column_names", None) or []
             if "input_ids" in columns and "labels" not in columns:
                 raise ValueError(f"{name} has input_ids but no labels; build it with hfl3.data.sft.load_sft_data")
-        super().__init__(*args, **kwargs)
-        self.provenance = provenance
-        self.train_supervised_tokens = train_supervised_tokens
+        return args, kwargs
+
+    def set_up(self) -> None:
+        """After `SFTTrainer.__init__`: the evaluation's token-weighted loss sums and, where it applies
+        (`_compact_loss_applies`), the compact CPU loss patched onto the model (`add_supervised_nll`)."""
         self._eval_nll_sum = self._eval_token_count = None
-        self._compact_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}  # name -> per micro-batch
         self._compact_train_tokens = 0
         self.compact_loss = self._compact_loss_applies()
         if self.compact_loss:
             add_supervised_nll(self._base_model(), owner=self.model)
+
+    def model_card(self, metadata: Mapping[str, Any]) -> dict:
+        """`write_model_card` arguments for the adapter (`sft_model_card`)."""
+        return sft_model_card(metadata, usage_name(self), adapter=True)
+
+    def base_hub_id(self, local_name: str | None = None) -> str | None:
+        """The base model's Hub id: `provenance["base_model"]["hub_id"]` (the recipe's `--base_model_hub_id`, or
+        `base_model_hub_id`), else `base_model_hub_id(local_name)`."""
+        known = ((self.provenance or {}).get("base_model") or {}).get("hub_id")
+        return known or (base_model_hub_id(local_name) if local_name else None)
+
+    def hub_files(self, folder: Path) -> dict[str, Any]:
+        """The pushed `adapter_config.json` names the base's Hub id, never a local path.
+
+        Raises:
+            ValueError: the base is a local folder with no known Hub id (the recipe refuses this before training).
+        """
+        config = folder / "adapter_config.json"
+        if not config.is_file():
+            return {}
+        values = json.loads(config.read_text())
+        hub_id = self.base_hub_id(values.get("base_model_name_or_path"))
+        if hub_id is None:
+            raise ValueError(f"not pushed: the base model {portable(values.get('base_model_name_or_path'))} is a "
+                             "local folder with no Hub id; pass --base_model_hub_id USER/NAME")
+        return {"adapter_config.json": {**values, "base_model_name_or_path": hub_id}}
 
     @property
     def chatcore(self) -> ChatCoreCallback | None:
@@ -316,7 +353,7 @@ class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  #
         # Per-rank sums are gathered with `gather`, not `gather_for_metrics`: at the last batch of an epoch the
         # latter cuts what it gathers to the dataset's remainder of samples, which is meaningless for sums (and broke
         # on the [correct, count] pair when the remainder was 1)
-        metrics = self._compact_metrics[mode]
+        metrics = self.micro_batch_metrics[mode]
         with torch.no_grad():
             correct = (outputs.predictions == outputs.targets).sum()
             correct, count_all = self.accelerator.gather(torch.stack([correct, count])).view(-1, 2).sum(0)
@@ -328,15 +365,6 @@ class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  #
             self._compact_train_tokens += self.accelerator.gather(real_tokens).sum().item()
         metrics["num_tokens"] = [self._compact_train_tokens]
         return loss
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """`SFTTrainer.log` with the compact path's metrics added as TRL adds its own: averaged over the micro-batches
-        since the last log, `eval_`-prefixed in evaluation."""
-        mode = "train" if self.model.training else "eval"
-        prefix = "eval_" if mode == "eval" else ""
-        logs.update({prefix + key: sum(values) / len(values) for key, values in self._compact_metrics[mode].items()})
-        self._compact_metrics[mode].clear()
-        super().log(logs, start_time)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
