@@ -1,4 +1,4 @@
-"""A diverging run stops at the first non-finite loss, gradient norm or parameter (`hfl3.trainers.guards.
+"""A diverging run stops at the first non-finite loss, gradient norm or parameter (`hfl3.trainers.metrics.
 NonFiniteFlags`, read by the trainers' hooks), naming the step, with nothing non-finite saved and the last good
 checkpoint the newest."""
 
@@ -22,7 +22,7 @@ from hfl3.data.chat import write_chat_jsonl
 from hfl3.data.sft import load_sft_data
 from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.guards import NonFiniteTrainingError
+from hfl3.trainers.metrics import NonFiniteTrainingError
 from hfl3.trainers.pretrain import PackedCollator, PretrainConfig, PretrainTrainer
 from hfl3.trainers.sft import ChatSFTConfig, ChatSFTTrainer
 

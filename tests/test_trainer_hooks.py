@@ -13,7 +13,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from trl import SFTTrainer
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.trainers.guards import NonFiniteTrainingError
+from hfl3.trainers.metrics import NonFiniteTrainingError
 from hfl3.trainers.hooks import TrainerHooks
 from hfl3.trainers.pretrain import PackedCollator, PretrainConfig, PretrainTrainer
 from hfl3.trainers.sft import ChatSFTConfig, ChatSFTTrainer
@@ -26,7 +26,7 @@ PRIVATE_HOOKS = [
      "to checkpoint-N once complete, hfl3_run.json and the data-stream state included, so a kill never leaves an "
      "incomplete checkpoint-N; no public hook wraps the checkpoint write (on_save runs after it)"),
     ("_get_grad_norm", [("self", EMPTY), ("model", EMPTY), ("grad_norm", None)],
-     "the NaN/inf guard (TrainerHooks, hfl3.trainers.guards.NonFiniteFlags): the pre-clipping gradient norm of every optimizer step, checked on the "
+     "the NaN/inf guard (TrainerHooks, hfl3.trainers.metrics.NonFiniteFlags): the pre-clipping gradient norm of every optimizer step, checked on the "
      "device; no public hook receives it (callbacks see it only in the logs, as a host float)"),
     ("_track_num_input_tokens", [("self", EMPTY), ("inputs", EMPTY)],
      "sync-free pretraining steps (PretrainTrainer): input tokens counted on the host and summed across processes only "

@@ -31,7 +31,7 @@ from hfl3.distributed import end_distributed_run, lost_peer_message
 from hfl3.errors import InputError
 from hfl3.provenance.portable import redact
 from hfl3.trainers.arguments import ArgumentsError, parse_recipe_args, parsed_secrets
-from hfl3.trainers.guards import NonFiniteTrainingError
+from hfl3.trainers.metrics import NonFiniteTrainingError
 from hfl3.trainers.launch import LOG_FORMAT, LaunchError
 from hfl3.trainers.outputs import STAGING, OutputFolder, latest_checkpoint
 from hfl3.trainers.recipe_log import recipe_log

@@ -10,7 +10,7 @@ lines around `super()` that hand the work to what the trainer holds:
 | `__init__` | the trainer's own `hand_over_arguments` first, the push taken over (uploaded once at the end), then after the Trainer's: the output folder's state, Muon's refusal of what it cannot run under, the NaN/inf check, the trainer's own `set_up` |
 | `train` | the output folder and resume checkpoint resolved and checked (`run_folder.start_run`), and after it the best model to every machine (`end_run`) |
 | `get_batch_samples` | a finished run trains nothing more; a streamed batch's state into `data_progress`, tensors copied without blocking |
-| `training_step` | the loss tallied and checked for NaN/inf on the device (`LossTally`, `NonFiniteFlags`) |
+| `training_step` | the loss tallied and checked for NaN/inf on the device (`metrics.StepMetrics`) |
 | `_get_grad_norm` (private, pinned) | the pre-clipping gradient norm checked on the device |
 | `log` | metrics the trainer gathered since the last log (`micro_batch_metrics`), the session throughput left out where the trainer says so, the run's loss and whole-run figures after a resume (`run_folder.whole_run_log`) |
 | `create_optimizer_and_scheduler`, `create_optimizer`, `create_scheduler` | MuonAdamW or the Trainer's optimizer, scaled, warm-started; the WSD schedule's steps (`hfl3.trainers.optimizers`) |
@@ -41,7 +41,7 @@ from hfl3.callbacks import save_loss_png
 from hfl3.data.streaming import DATA_STATE_KEY
 from hfl3.provenance import portable
 from hfl3.trainers import optimizers, run_folder
-from hfl3.trainers.guards import NonFiniteCheck, NonFiniteFlags
+from hfl3.trainers.metrics import NonFiniteCheck, StepMetrics
 from hfl3.trainers.outputs import OutputFolder
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class TrainerHooks:
     the end (`hub_strategy` "end"), with the same `hub_model_id`, `hub_private_repo`, `hub_token` and `hub_revision`.
 
     Attributes:
+        step_metrics: what each step records without a device sync (`hfl3.trainers.metrics.StepMetrics`).
         run_totals: the resumed checkpoint's `{"train_loss_sum", "train_runtime", "global_step"}`, zeros when the run
             started from scratch.
         data_progress: a streamed training dataset's progress (`hfl3.data.streaming.StreamProgress`), else None.
@@ -91,12 +92,11 @@ class TrainerHooks:
         self.provenance = provenance
         self.run_totals = dict(run_folder.NO_TOTALS)
         self.train_started = time.time()
-        self.run_loss = run_folder.LossTally()
+        self.step_metrics = StepMetrics()
         self.optimizer_state = optimizer_state
         optimizers.refuse_what_muon_cannot_run_under(self.args)
-        self.nonfinite = NonFiniteFlags()
         self.add_callback(NonFiniteCheck(lambda control: self.check_finite(parameters=control.should_save),
-                                         at_train_begin=self.nonfinite.clear))
+                                         at_train_begin=self.step_metrics.nonfinite.clear))
         self.micro_batch_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self.set_up()
 
@@ -138,8 +138,7 @@ class TrainerHooks:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self.run_loss.add(loss, self.state.global_step)
-        self.nonfinite.record("loss", loss, self.state.global_step + 1, self.args.device)
+        self.step_metrics.record_loss(loss, self.state.global_step, self.args.device)
         return loss
 
     def _get_grad_norm(self, model, grad_norm=None):
@@ -148,7 +147,7 @@ class TrainerHooks:
             # gradient by 1 (a read and a write of all of them per step): measure it alone
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
-        self.nonfinite.record("gradient norm", grad_norm, self.state.global_step + 1, self.args.device)
+        self.step_metrics.record_grad_norm(grad_norm, self.state.global_step, self.args.device)
         return grad_norm
 
     def _gradients_are_plain_tensors(self) -> bool:
@@ -160,7 +159,7 @@ class TrainerHooks:
     def check_finite(self, parameters: bool = False) -> None:
         """Raise `NonFiniteTrainingError` if a loss or gradient norm was not finite since `train()` began (with
         `parameters`: or a parameter is now); `NonFiniteFlags.check`."""
-        self.nonfinite.check(self, parameters)
+        self.step_metrics.nonfinite.check(self, parameters)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """`Trainer.log` with, in this order: the `micro_batch_metrics` of the current mode averaged over the

@@ -15,7 +15,7 @@ from accelerate.utils import DistributedType, gather_object
 from transformers import EvalPrediction, Trainer, TrainingArguments
 
 from hfl3 import fp8
-from hfl3.callbacks import BeforeLogSaveEvaluate, ThroughputCallback
+from hfl3.callbacks import ThroughputCallback
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DATA_STATE_KEY, PackedStream, StreamBatch, StreamProgress, stream_dataloader
 from hfl3.evaluate.callback import CoreMetricCallback, check_core_arguments
@@ -25,6 +25,7 @@ from hfl3.trainers.compute_optimal import derive_gradient_accumulation_steps
 from hfl3.trainers.cards import l3gpt_model_card, usage_name
 from hfl3.trainers.hooks import TrainerHooks
 from hfl3.trainers.launch import ProcessGroupTimeout
+from hfl3.trainers.metrics import BeforeLogSaveEvaluate
 from hfl3.trainers.optimizers import MuonTrainingArguments
 
 logger = logging.getLogger(__name__)
@@ -298,9 +299,8 @@ class PretrainTrainer(TrainerHooks, Trainer):
 
         Raises:
             ValueError: a streamed `train_dataset` with `ignore_data_skip` False."""
-        self._pending_input_tokens = 0
         self._non_embedding_parameters = None
-        self.add_callback(BeforeLogSaveEvaluate(lambda control: self._count_pending_input_tokens()))
+        self.add_callback(BeforeLogSaveEvaluate(lambda control: self.step_metrics.sum_input_tokens(self)))
         handler = self.callback_handler
         first = [callback for callback in handler.callbacks if isinstance(callback, ThroughputCallback)]
         handler.callbacks = first + [callback for callback in handler.callbacks if callback not in first]
@@ -366,19 +366,12 @@ class PretrainTrainer(TrainerHooks, Trainer):
         across processes and calls `.item()` after every micro-batch, which stalls the host behind the device each
         step, and offers no public hook in its place (`include_num_input_tokens_seen="no"` drops the count from the
         logs and the state); here the count is summed across processes only where the Trainer logs, saves,
-        evaluates or stops (`_count_pending_input_tokens`), so `state.num_input_tokens_seen` is exact whenever it is
+        evaluates or stops (`StepMetrics.sum_input_tokens`), so `state.num_input_tokens_seen` is exact whenever it is
         read or written."""
         main_input = getattr(self.model, "main_input_name", "input_ids")
         if self.args.include_num_input_tokens_seen != "all" or main_input not in inputs:
             return super()._track_num_input_tokens(inputs)
-        self._pending_input_tokens += inputs[main_input].numel()
-
-    def _count_pending_input_tokens(self) -> None:
-        pending = self._pending_input_tokens
-        if self.args.world_size > 1:  # a collective: every process reaches it at the same step
-            pending = int(self.accelerator.gather(torch.tensor([pending], device=self.args.device)).sum())
-        self.state.num_input_tokens_seen += pending
-        self._pending_input_tokens = 0
+        self.step_metrics.count_input_tokens(inputs[main_input].numel())
 
     def evaluate(self, *args, **kwargs):
         with fp8.float8_disabled(self.model):

@@ -23,12 +23,12 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, speed_metrics
 
 from hfl3.atomic import write_json_atomic
 from hfl3.distributed import broadcast_model_from_main, from_main, gather_files_to_main, remove_empty_parents
-from hfl3.provenance import portable, push_folder_to_hub, sha256_records, stamp_folder
+from hfl3.provenance import push_folder_to_hub, sha256_records, stamp_folder
+from hfl3.trainers.metrics import LossTally
 from hfl3.trainers.outputs import (
     CHECKPOINT_FOLDER,
     RUN_STATE,
@@ -117,7 +117,7 @@ def start_run(trainer, resume_from_checkpoint: str | bool | None) -> str | None:
         logger.info("resuming from %s", Path(checkpoint).name)
     trainer.resume_checkpoint = checkpoint
     trainer.train_started = time.time()
-    trainer.run_loss = LossTally()
+    trainer.step_metrics.loss = LossTally()
     return checkpoint
 
 
@@ -137,7 +137,7 @@ def whole_run_log(trainer, logs: dict[str, float]) -> None:
     `train()` call) into whole-run figures, with the checkpoint's `run_totals`."""
     state = trainer.state
     if "loss" in logs:
-        trainer.run_loss.logged(logs["loss"], state.global_step)
+        trainer.step_metrics.loss.logged(logs["loss"], state.global_step)
     if "train_loss" in logs and trainer.run_totals["global_step"]:
         steps, resumed = state.global_step, trainer.run_totals["global_step"]
         logs["train_loss"] = (trainer.run_totals["train_loss_sum"] + logs["train_loss"] * (steps - resumed)) / steps
@@ -189,9 +189,9 @@ def save_resume_state(trainer, folder: Path) -> None:
     """What a resume needs beyond the Trainer's own checkpoint, written on every process into the staged checkpoint
     `folder` before the rename that completes it: `hfl3_run.json` (the run's fingerprint, and its loss sum, seconds
     and steps so far), and a streamed dataset's progress (`trainer.data_progress`: `data_state_rank{R}.safetensors`)."""
-    undrained = trainer.run_loss.undrained(trainer.accelerator)  # a collective: every process is here
+    undrained = trainer.step_metrics.loss.undrained(trainer.accelerator)  # a collective: every process is here
     if trainer.args.should_save:
-        totals = {"train_loss_sum": trainer.run_totals["train_loss_sum"] + trainer.run_loss.logged_sum + undrained,
+        totals = {"train_loss_sum": trainer.run_totals["train_loss_sum"] + trainer.step_metrics.loss.logged_sum + undrained,
                   "train_runtime": trainer.run_totals["train_runtime"] + time.time() - trainer.train_started,
                   "global_step": trainer.state.global_step}
         write_json_atomic(folder / RUN_STATE, {"fingerprint": run_fingerprint(trainer), "totals": totals})
@@ -284,32 +284,6 @@ def push_output(trainer, folder: str | os.PathLike | None = None) -> str | None:
             shutil.rmtree(upload, ignore_errors=True)
             with contextlib.suppress(OSError):
                 upload.parent.rmdir()
-
-
-class LossTally:
-    """The training loss of one `train()` call as the Trainer reports it, kept without its private accumulators:
-    `logged_sum`, the sum of the per-step losses already logged (a log's `loss` times the steps it averages), and on
-    the device the micro-batch losses since the last log (no host sync per step)."""
-
-    def __init__(self):
-        self.logged_sum, self.since_log, self.last_logged_step = 0.0, None, None
-
-    def add(self, loss: torch.Tensor, step: int) -> None:
-        if self.since_log is None:
-            self.since_log, self.last_logged_step = torch.zeros((), device=loss.device), step
-        self.since_log += loss.detach()
-
-    def logged(self, mean_loss: float, step: int) -> None:
-        if self.since_log is not None:
-            self.logged_sum += mean_loss * (step - self.last_logged_step)
-            self.last_logged_step = step
-            self.since_log.zero_()
-
-    def undrained(self, accelerator) -> float:
-        """The not yet logged part, averaged over processes as the Trainer's next log will (a collective)."""
-        if self.since_log is None:
-            return 0.0
-        return accelerator.gather(self.since_log[None]).mean().item()
 
 
 def _link_or_copy(source: str, target: str) -> None:
