@@ -49,8 +49,8 @@ import hfl3  # noqa: F401  (registers L3GPT; before transformers: keeps torchao'
 from hfl3.trainers.arguments import RecipeParser
 from hfl3.trainers.exits import run_recipe
 from hfl3.trainers.setup import set_up_sft
-from hfl3.trainers.sft import ChatSFTConfig
-from hfl3.trainers.sft_builder import SFTModelArguments, SFTScriptArguments, build_sft_trainer, finish_sft
+from hfl3.trainers.sft_builder import build_sft_trainer, finish_sft
+from hfl3.trainers.sft_config import ChatSFTConfig, SFTModelArguments, SFTScriptArguments
 from hfl3.trainers.training import train_and_evaluate
 
 

@@ -17,7 +17,7 @@ from hfl3.data.masks import AssistantMasker
 from hfl3.data.sft import load_sft_data
 from hfl3.trainers.arguments import check_sft_arguments, decide_evaluation
 from hfl3.trainers.sft_builder import build_sft_trainer
-from hfl3.trainers.sft import ChatSFTConfig
+from hfl3.trainers.sft_config import ChatSFTConfig
 
 
 def line(messages) -> bytes:

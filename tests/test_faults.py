@@ -271,7 +271,8 @@ def test_sft_saves_no_token_and_resume_refuses_other_data(tmp_path, stream):
     from hfl3.data.chat import write_chat_jsonl
     from hfl3.data.sft import load_sft_data
     from hfl3.provenance import build_metadata
-    from hfl3.trainers.sft import ChatSFTTrainer, ChatSFTConfig
+    from hfl3.trainers.sft import ChatSFTTrainer
+    from hfl3.trainers.sft_config import ChatSFTConfig
 
     lora = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     tokenizer, secret = stream.tokenizer, "hf_" + "Z9y8" * 9

@@ -23,8 +23,8 @@ from hfl3.trainers.base_model import (
     quantization_metadata,
 )
 from hfl3.trainers.cards import sft_model_card
-from hfl3.trainers.sft import ChatSFTConfig, ChatSFTTrainer
-from hfl3.trainers.sft_builder import SFTModelArguments
+from hfl3.trainers.sft import ChatSFTTrainer
+from hfl3.trainers.sft_config import ChatSFTConfig, SFTModelArguments
 
 bnb = pytest.importorskip("bitsandbytes", reason="the qlora extra: pip install 'hfl3[qlora]'")
 

@@ -40,7 +40,8 @@ from hfl3.trainers.arguments import parse_recipe_args
 from hfl3.trainers.guards import check_vocabulary_fits
 from hfl3.trainers.sft_builder import build_sft_trainer
 from hfl3.trainers.outputs import base_model_hub_id, local_base_model
-from hfl3.trainers.sft import ChatSFTTrainer, ChatSFTConfig
+from hfl3.trainers.sft import ChatSFTTrainer
+from hfl3.trainers.sft_config import ChatSFTConfig
 from recipe_setup import parse_and_set_up, recipe_main
 
 WORDS = "the king and queen of love shall die good night sweet prince my lord what is this".split()

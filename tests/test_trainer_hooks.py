@@ -16,7 +16,8 @@ from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.trainers.metrics import NonFiniteTrainingError
 from hfl3.trainers.hooks import TrainerHooks
 from hfl3.trainers.pretrain import PackedCollator, PretrainConfig, PretrainTrainer
-from hfl3.trainers.sft import ChatSFTConfig, ChatSFTTrainer
+from hfl3.trainers.sft import ChatSFTTrainer
+from hfl3.trainers.sft_config import ChatSFTConfig
 
 EMPTY = inspect.Parameter.empty
 PRIVATE_HOOKS = [
