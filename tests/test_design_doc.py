@@ -8,6 +8,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 DESIGN_DOC = REPO / "docs" / "design.md"
 TEST_FOLDERS = ("tests/", "integrations/vllm/tests/")
@@ -145,3 +147,82 @@ def test_the_check_tells_a_missing_name_apart():
     assert missing_sections({"a.py": "see docs/design.md, No such section, and docs/design.md, Known traps; "
                                      "docs/design.md (Layers), docs/design.md, decision 3"},
                             "## Layers\n## Known traps\n") == ["section No such section (a.py)"]
+
+
+# ---- One step: the hop table, checked against a traced step of each recipe ----------------------------------------
+
+TRAINER_LAYER = ("trainers/", "callbacks.py")
+
+
+def hop_table(text: str) -> dict[str, dict[str, set[str]]]:
+    """docs/design.md's One step table: `{recipe: {"enters", "logging", "beneath": {file under src/hfl3}}}`."""
+    section = text[text.index("## One step"):]
+    section = section[:section.index("\n## ", 4)]
+    rows = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] in ("pretraining", "SFT"):
+            rows[cells[0]] = {key: set(SPAN.findall(cell)) for key, cell in zip(("enters", "logging", "beneath"),
+                                                                                  cells[1:])}
+    return rows
+
+
+def traced_windows(recipe: str, assets, tmp_path) -> dict[int, set[str]]:
+    """Steps 2 (a logging step) and 3 (a steady one) of a tiny run of `recipe`'s trainer, traced: pretraining with
+    Muon on packed rows, SFT with LoRA on stdlib chats (the compact CPU loss)."""
+    import datasets
+    import torch
+    from peft import LoraConfig
+    from step_trace import StepTracer
+
+    from hfl3 import L3GPTConfig, L3GPTForCausalLM
+    from hfl3.data.chat import write_chat_jsonl
+    from hfl3.data.sft import load_sft_data
+    from hfl3.data.stdlib import stdlib_docstring_chats
+    from hfl3.tokenization import train_tokenizer
+    from hfl3.trainers.pretrain import PackedCollator, PretrainConfig, PretrainTrainer
+    from hfl3.trainers.sft import ChatSFTTrainer
+    from hfl3.trainers.sft_config import ChatSFTConfig
+
+    torch.manual_seed(0)
+    common = dict(output_dir=str(tmp_path / "out"), max_steps=4, logging_steps=2, save_strategy="no",
+                  eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+                  per_device_train_batch_size=4)
+    tokenizer = train_tokenizer([(assets / "text" / "tinyshakespeare.txt").read_text()[:60_000]], 512)
+    config = L3GPTConfig.from_depth(1, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
+                                    max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id)
+    if recipe == "pretraining":
+        ids = tokenizer((assets / "text" / "tinyshakespeare.txt").read_text()[:20_000])["input_ids"]
+        rows = datasets.Dataset.from_dict({"input_ids": [ids[i:i + 32] for i in range(0, 32 * 20, 32)]})
+        trainer = PretrainTrainer(model=L3GPTForCausalLM(config), train_dataset=rows,
+                                  data_collator=PackedCollator(tokenizer.bos_token_id),
+                                  args=PretrainConfig(optim="muon", max_length=32, use_cpu=True, **common))
+    else:
+        data = load_sft_data(tokenizer, write_chat_jsonl(stdlib_docstring_chats(24, seed=0), tmp_path / "d.jsonl"),
+                             max_length=48)
+        trainer = ChatSFTTrainer(model=L3GPTForCausalLM(config), train_dataset=data.train, processing_class=tokenizer,
+                                 args=ChatSFTConfig(max_length=48, load_best_model_at_end=False, **common),
+                                 peft_config=LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"],
+                                                        task_type="CAUSAL_LM"))
+    tracer = StepTracer()
+    tracer.run(trainer.train)
+    return {step: tracer.windows[step] for step in (2, 3)}
+
+
+@pytest.mark.parametrize("recipe", ["pretraining", "SFT"])
+def test_one_step_enters_the_files_the_hop_table_names(recipe, assets, tmp_path):
+    row = hop_table(DESIGN_DOC.read_text(encoding="utf-8"))[recipe]
+    assert len(row["enters"]) <= 3 and all(name.startswith(TRAINER_LAYER) for name in row["enters"])
+    windows = traced_windows(recipe, assets, tmp_path)
+    steady, logging_step = windows[3], windows[2]
+    assert "models/l3gpt/modeling_l3gpt.py" in steady  # the guard: the tracer sees the layers below
+    assert {name for name in steady if name.startswith(TRAINER_LAYER)} == row["enters"]
+    assert {name for name in logging_step if name.startswith(TRAINER_LAYER)} <= row["enters"] | row["logging"]
+    unnamed = {name for name in steady | logging_step if not name.startswith(TRAINER_LAYER)} - row["beneath"]
+    assert not unnamed, f"docs/design.md, One step: the {recipe} row does not name {sorted(unnamed)}"
+
+
+def test_the_hop_table_is_read():
+    rows = hop_table("## One step\n| recipe | a | b | c |\n|---|---|---|---|\n| SFT | `trainers/x.py` | | "
+                     "`models/y.py` |\n\n## Next\n")
+    assert rows == {"SFT": {"enters": {"trainers/x.py"}, "logging": set(), "beneath": {"models/y.py"}}}
