@@ -1,7 +1,7 @@
 """Every path and name a recipe is given is checked before any work, by the checks its `main` runs first
-(`hfl3.trainers.setup`, `hfl3.trainers.arguments`): a mistyped one is one line naming the argument, the value and
-what was expected, exit status 2, with nothing written; a Hub id is looked up once with a short timeout, or in the
-local cache offline."""
+(`hfl3.trainers.setup`, `hfl3.trainers.arguments`, `hfl3.trainers.inputs`): a mistyped one is one line naming the
+argument, the value and what was expected, exit status 2, with nothing written; a Hub id is looked up once with a
+short timeout, or in the local cache offline."""
 
 import importlib.util
 import os
@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from hfl3.data.chat import write_chat_jsonl
 from hfl3.data.stdlib import stdlib_docstring_chats
-from hfl3.trainers import arguments as recipe_arguments
+from hfl3.trainers import inputs as recipe_inputs
 
 
 def load_recipe(repo_root, name: str):
@@ -249,12 +249,14 @@ def test_a_hub_id_online_is_looked_up_once_with_a_short_timeout(monkeypatch, tmp
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     if message is None:
-        recipe_arguments.check_pretrained("model_name_or_path", "nobody/x", recipe_arguments.MODEL, recipe_arguments.MODEL_FILES, "v2")
+        recipe_inputs.check_pretrained("model_name_or_path", "nobody/x", recipe_inputs.MODEL, recipe_inputs.MODEL_FILES,
+                                       "v2")
     else:
         with pytest.raises(ValueError) as error:
-            recipe_arguments.check_pretrained("model_name_or_path", "nobody/x", recipe_arguments.MODEL, recipe_arguments.MODEL_FILES, "v2")
+            recipe_inputs.check_pretrained("model_name_or_path", "nobody/x", recipe_inputs.MODEL,
+                                           recipe_inputs.MODEL_FILES, "v2")
         assert str(error.value) == message
-    assert calls == [("nobody/x", "v2", recipe_arguments.HUB_TIMEOUT_S)] and recipe_arguments.HUB_TIMEOUT_S <= 10
+    assert calls == [("nobody/x", "v2", recipe_inputs.HUB_TIMEOUT_S)] and recipe_inputs.HUB_TIMEOUT_S <= 10
 
 
 def test_a_hub_id_offline_is_looked_up_in_the_local_cache(tmp_path, monkeypatch):
@@ -266,6 +268,8 @@ def test_a_hub_id_offline_is_looked_up_in_the_local_cache(tmp_path, monkeypatch)
     (tmp_path / "models--hfl3-test--tiny" / "refs" / "main").write_text(commit)
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
     assert hub_constants.is_offline_mode()
-    recipe_arguments.check_pretrained("model_name_or_path", "hfl3-test/tiny", recipe_arguments.MODEL, recipe_arguments.MODEL_FILES)
+    recipe_inputs.check_pretrained("model_name_or_path", "hfl3-test/tiny", recipe_inputs.MODEL,
+                                   recipe_inputs.MODEL_FILES)
     with pytest.raises(ValueError, match="with no copy of the Hub model hfl3-test/tiny in the local cache"):
-        recipe_arguments.check_pretrained("tokenizer_name_or_path", "hfl3-test/tiny", recipe_arguments.TOKENIZER, recipe_arguments.TOKENIZER_FILES)
+        recipe_inputs.check_pretrained("tokenizer_name_or_path", "hfl3-test/tiny", recipe_inputs.TOKENIZER,
+                                       recipe_inputs.TOKENIZER_FILES)
