@@ -43,9 +43,8 @@ from transformers import set_seed
 
 from hfl3.trainers.arguments import RecipeParser
 from hfl3.trainers.exits import run_recipe
-from hfl3.trainers.pretrain import PretrainConfig
-from hfl3.trainers.pretrain_builder import L3GPTModelArguments, build_pretraining, finish_pretraining, plan_only
-from hfl3.trainers.pretrain_data import PretrainScriptArguments
+from hfl3.trainers.pretrain_builder import build_pretraining, finish_pretraining, plan_only
+from hfl3.trainers.pretrain_config import L3GPTModelArguments, PretrainConfig, PretrainScriptArguments
 from hfl3.trainers.setup import set_up_pretraining
 from hfl3.trainers.training import train_and_evaluate
 

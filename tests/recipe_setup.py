@@ -3,7 +3,7 @@ runs first (`hfl3.trainers.setup.set_up_pretraining` / `set_up_sft`)."""
 
 from hfl3.trainers.arguments import parse_recipe_args, parsed_secrets
 from hfl3.trainers.exits import recipe_exits
-from hfl3.trainers.pretrain import PretrainConfig
+from hfl3.trainers.pretrain_config import PretrainConfig
 from hfl3.trainers.setup import set_up_pretraining, set_up_sft
 
 

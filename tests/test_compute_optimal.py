@@ -15,7 +15,8 @@ from hfl3.trainers.compute_optimal import (
     compute_optimal_plan,
     derive_gradient_accumulation_steps,
 )
-from hfl3.trainers.pretrain import PretrainTrainer, PretrainConfig
+from hfl3.trainers.pretrain import PretrainTrainer
+from hfl3.trainers.pretrain_config import PretrainConfig
 
 # nanochat master (karpathy/nanochat 92d63d4) run on its own code, up to its training loop, on the meta device:
 #   python dev/nanochat_dial_reference.py --nanochat_dir PATH/TO/nanochat --depth D --world_size W [-- EXTRA]

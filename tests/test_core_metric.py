@@ -364,7 +364,8 @@ def test_training_evaluates_every_n_steps_and_at_the_end(saved_models, assets, t
     from hfl3.callbacks import ThroughputCallback
     from hfl3.evaluate import CoreMetricCallback
     from hfl3.tokenization import load_tokenizer
-    from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator, PretrainConfig
+    from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator
+    from hfl3.trainers.pretrain_config import PretrainConfig
 
     tokenizer = load_tokenizer(str(saved_models / "l3gpt"))
     model = L3GPTForCausalLM.from_pretrained(saved_models / "l3gpt", dtype=torch.float32)

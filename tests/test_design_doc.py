@@ -180,7 +180,8 @@ def traced_windows(recipe: str, assets, tmp_path) -> dict[int, set[str]]:
     from hfl3.data.sft import load_sft_data
     from hfl3.data.stdlib import stdlib_docstring_chats
     from hfl3.tokenization import train_tokenizer
-    from hfl3.trainers.pretrain import PackedCollator, PretrainConfig, PretrainTrainer
+    from hfl3.trainers.pretrain import PackedCollator, PretrainTrainer
+    from hfl3.trainers.pretrain_config import PretrainConfig
     from hfl3.trainers.sft import ChatSFTTrainer
     from hfl3.trainers.sft_config import ChatSFTConfig
 

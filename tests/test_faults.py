@@ -29,7 +29,8 @@ from hfl3.trainers.outputs import (
     prepare_output_dir,
 )
 from hfl3.trainers.exits import run_recipe
-from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator, PretrainConfig
+from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator
+from hfl3.trainers.pretrain_config import PretrainConfig
 
 # No evaluation: what is checked is what the kills leave and the weights the resumptions reach
 TINY = ["--max_steps", "12", "--save_strategy", "steps", "--save_steps", "4", "--logging_steps", "2",

@@ -23,7 +23,8 @@ from hfl3.data.sft import load_sft_data
 from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.metrics import NonFiniteTrainingError
-from hfl3.trainers.pretrain import PackedCollator, PretrainConfig, PretrainTrainer
+from hfl3.trainers.pretrain import PackedCollator, PretrainTrainer
+from hfl3.trainers.pretrain_config import PretrainConfig
 from hfl3.trainers.sft import ChatSFTTrainer
 from hfl3.trainers.sft_config import ChatSFTConfig
 

@@ -17,7 +17,8 @@ from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data.sources import open_corpus
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator, PretrainConfig
+from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator
+from hfl3.trainers.pretrain_config import PretrainConfig
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from trl import SFTTrainer
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.trainers.metrics import NonFiniteTrainingError
 from hfl3.trainers.hooks import TrainerHooks
-from hfl3.trainers.pretrain import PackedCollator, PretrainConfig, PretrainTrainer
+from hfl3.trainers.pretrain import PackedCollator, PretrainTrainer
+from hfl3.trainers.pretrain_config import PretrainConfig
 from hfl3.trainers.sft import ChatSFTTrainer
 from hfl3.trainers.sft_config import ChatSFTConfig
 
