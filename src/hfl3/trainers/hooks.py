@@ -78,6 +78,7 @@ class TrainerHooks:
     batches_to_device = False
     """True: `get_batch_samples` copies each batch's tensors to the device itself, without blocking."""
     data_progress = None
+    provenance: dict | None = None  # read by `create_model_card` and `save_model` whenever they run
 
     def __init__(self, *args, output_folder: OutputFolder | None = None,
                  optimizer_state: str | os.PathLike | None = None, provenance: dict | None = None, **kwargs):
