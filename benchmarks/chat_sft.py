@@ -183,9 +183,10 @@ def run_arm(arm: str, seed: int, base: str, args: ChatSFTArguments, output_dir: 
     # one batch per step in every arm
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    script, model, training, setup = parse_recipe_args(sft_lora.make_parser(), cli)
+    parser = sft_lora.make_parser()
+    script, training, model = parse_recipe_args(parser, cli)
     started = time.perf_counter()
-    results = sft_lora.main(script, training, model, setup)
+    results = sft_lora.main(script, training, model, parser.given_arguments(cli))
     peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     training_seconds = results["train_runtime"] - results.get("eval_before_runtime", 0.0)  # the step-0 evaluation out

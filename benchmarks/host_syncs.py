@@ -367,11 +367,12 @@ class StepMarks(TrainerCallback):
 
 
 def build_hfl3_trainer(args: HostSyncArguments, optim: str, l3: bool, output_dir: str):
-    """hfl3's pretraining trainer as `recipes/pretrain.py` builds it: its parser (and the checks it runs) over these
-    arguments, then `build_pretraining` (data, BPE, plan, model, trainer and its callbacks), at `args`' shape, with
-    `optim` (`muon` or a Trainer optimizer) and one L3 layer when `l3`; `args.warmup_steps + args.steps` steps,
-    logging (and with `args.evaluate` evaluating) at the last."""
+    """hfl3's pretraining trainer as `recipes/pretrain.py` builds it: its parser over these arguments and the checks
+    its `main` runs first (`set_up_pretraining`), then `build_pretraining` (data, BPE, plan, model, trainer and its
+    callbacks), at `args`' shape, with `optim` (`muon` or a Trainer optimizer) and one L3 layer when `l3`;
+    `args.warmup_steps + args.steps` steps, logging (and with `args.evaluate` evaluating) at the last."""
     from hfl3.trainers.pretrain_builder import build_pretraining
+    from hfl3.trainers.setup import set_up_pretraining
 
     spec = importlib.util.spec_from_file_location("pretrain_recipe", REPO_ROOT / "recipes" / "pretrain.py")
     recipe = importlib.util.module_from_spec(spec)
@@ -390,7 +391,9 @@ def build_hfl3_trainer(args: HostSyncArguments, optim: str, l3: bool, output_dir
            "--dataloader_num_workers", "0", "--attend_across_documents", str(args.attend_across_documents),
            "--eval_strategy", "steps" if args.evaluate else "no", "--torch_compile", str(args.compile)]
     cli += ["--l3_after_layers", str(max(0, args.depth // 2 - 1))] if l3 else []
-    script_args, model_args, training_args, setup = recipe.make_parser().parse_args_and_config(cli)
+    parser = recipe.make_parser()
+    script_args, training_args, model_args = parser.parse_args_and_config(cli)
+    setup = set_up_pretraining(script_args, training_args, model_args, parser.given_arguments(cli))
     return build_pretraining(script_args, training_args, model_args, setup).trainer
 
 

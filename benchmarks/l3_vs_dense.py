@@ -59,7 +59,7 @@ from hfl3.models.l3gpt import lzw_allocation
 from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.compute_optimal import parameter_counts
-from hfl3.trainers.pretrain import PretrainConfig
+from hfl3.trainers.pretrain_config import PretrainConfig
 from hfl3.trainers.pretrain_builder import build_model, build_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

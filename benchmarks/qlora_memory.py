@@ -125,8 +125,8 @@ def run_arm(arm: str, args: QLoRAArguments, base: str, dtype: str, train: bool) 
     from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
     from hfl3.data.sft import load_sft_data
     from hfl3.trainers.base_model import check_quantization_arguments, load_base_model, quantization_metadata
-    from hfl3.trainers.sft import ChatSFTConfig, ChatSFTTrainer
-    from hfl3.trainers.sft_builder import SFTModelArguments
+    from hfl3.trainers.sft import ChatSFTTrainer
+    from hfl3.trainers.sft_config import ChatSFTConfig, SFTModelArguments
 
     cuda = torch.cuda.is_available()
     work = Path(args.work) / f"{arm}_{dtype}"

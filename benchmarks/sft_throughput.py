@@ -115,7 +115,7 @@ def worker(row: str, args) -> dict:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         # SFTConfig's default bf16=True refuses to start on a CPU unless use_cpu is set (then: CPU bf16 autocast)
         extra = {"use_cpu": not torch.cuda.is_available()}
-        if row in ("trl_matched", "trl_liger"):  # the recipe's defaults (hfl3.trainers.sft.ChatSFTConfig)
+        if row in ("trl_matched", "trl_liger"):  # the recipe's defaults (hfl3.trainers.sft_config.ChatSFTConfig)
             extra.update(bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
                          gradient_checkpointing=False, use_liger_kernel=row == "trl_liger")
         trainer = SFTTrainer(
@@ -128,6 +128,7 @@ def worker(row: str, args) -> dict:
         sys.path.insert(0, str(REPO / "recipes"))
         from sft_lora import make_parser
 
+        from hfl3.trainers.setup import set_up_sft
         from hfl3.trainers.sft_builder import build_sft_trainer
 
         with open(subset, "w", encoding="utf-8") as f:
@@ -136,7 +137,9 @@ def worker(row: str, args) -> dict:
                "--train_file", str(subset), "--eval_file", "", "--eval_strategy", "no",
                "--lr_scheduler_type", "linear", "--warmup_steps", "0"]
         cli += [f"--{key}={value}" for key, value in common.items()] + (["--packing"] if row == "hfl3_packed" else [])
-        script_args, model_args, training_args, setup = make_parser().parse_args_and_config(cli)
+        parser = make_parser()
+        script_args, training_args, model_args = parser.parse_args_and_config(cli)
+        setup = set_up_sft(script_args, training_args, model_args, parser.given_arguments(cli))
         trainer = build_sft_trainer(script_args, training_args, model_args, setup).trainer
     timer = Timer()
     trainer.add_callback(timer.callback)

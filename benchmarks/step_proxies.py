@@ -488,7 +488,7 @@ CAUSES = (
     ("_prepare_input", "the Trainer copies each batch from the host, blocking (nanochat's harness preloads its rows "
                        "on the device)"),
     ("linear_cross_entropy", "the chunked loss, a CPU path (CUDA runs Liger's: below)"),
-    ("guards.py", "NonFiniteGuard's flags, kept on the device (no sync)"),
+    ("trainers/metrics.py", "the step's metrics (NaN/inf flags, loss tally: StepMetrics), kept on the device (no sync)"),
     ("(pair_scores)", "the L3 lookup's chunks of pairs (65,536 a chunk on CUDA: scaled so)"),
     ("lookup", "the L3 lookup's custom ops (Python bodies, run eagerly in a compiled step too)"),
     ("muon.py", "MuonAdamW"),

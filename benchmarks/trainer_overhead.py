@@ -40,7 +40,8 @@ from transformers import HfArgumentParser, TrainerCallback, get_scheduler, set_s
 from hfl3 import L3GPTForCausalLM
 from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.pretrain import PackedCollator, PretrainConfig
+from hfl3.trainers.pretrain import PackedCollator
+from hfl3.trainers.pretrain_config import PretrainConfig
 from hfl3.trainers.pretrain_builder import build_model, build_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

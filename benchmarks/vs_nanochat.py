@@ -300,7 +300,7 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
     from hfl3 import fp8
     from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES, flops_per_token
     from hfl3.trainers.compute_optimal import parameter_counts
-    from hfl3.trainers.pretrain import PretrainConfig
+    from hfl3.trainers.pretrain_config import PretrainConfig
     from hfl3.trainers.pretrain_builder import build_model, build_trainer
     from l3_flops import l3_lookup_flops_per_token
 

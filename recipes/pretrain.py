@@ -41,30 +41,26 @@ printed as a table and written to metadata.json (`compute_optimal`); `--dry_run`
 import hfl3  # noqa: F401  (before transformers: keeps torchao import-time warnings out of the launch, fp8/ao.py)
 from transformers import set_seed
 
-from hfl3.trainers.arguments import RecipeParser, RunSetup, add_config_argument, check_pretrain_inputs
+from hfl3.trainers.arguments import RecipeParser
 from hfl3.trainers.exits import run_recipe
-from hfl3.trainers.launch import check_launch
-from hfl3.trainers.pretrain import PretrainConfig
-from hfl3.trainers.pretrain_builder import L3GPTModelArguments, build_pretraining, finish_pretraining, plan_only
-from hfl3.trainers.pretrain_data import PretrainScriptArguments
+from hfl3.trainers.pretrain_builder import build_pretraining, finish_pretraining, plan_only
+from hfl3.trainers.pretrain_config import L3GPTModelArguments, PretrainConfig, PretrainScriptArguments
+from hfl3.trainers.setup import set_up_pretraining
 from hfl3.trainers.training import train_and_evaluate
 
 
 def make_parser() -> RecipeParser:
-    """`TrlParser` over the script, model and training arguments, in that order so that `--help` lists the recipe's
-    own options first (after `--config`); it returns them in that order too, then the `RunSetup` that
-    `check_pretrain_inputs` decided."""
-    return add_config_argument(RecipeParser((PretrainScriptArguments, L3GPTModelArguments, PretrainConfig),
-                                            check_pretrain_inputs))
+    """`TrlParser` over the script, training and model arguments (TRL's order; `--help` lists the recipe's own
+    options first, after `--config`); it returns them in that order and nothing else."""
+    return RecipeParser((PretrainScriptArguments, PretrainConfig, L3GPTModelArguments))
 
 
 def main(script_args: PretrainScriptArguments, training_args: PretrainConfig, model_args: L3GPTModelArguments,
-         setup: RunSetup) -> dict:
-    """Train on the arguments as `make_parser()` parsed and checked them (`setup`: the output folder and resume
-    checkpoint resolved, the evaluation decided). Returns the results written to `all_results.json`; with
-    `--dry_run`, the plan alone."""
+         given: frozenset[str] = frozenset()) -> dict:
+    """Check the arguments as `make_parser()` parsed them (`given`: the fields the user set), then train. Returns the
+    results written to `all_results.json`; with `--dry_run`, the plan alone."""
+    setup = set_up_pretraining(script_args, training_args, model_args, given)  # launch, paths, output folder
     set_seed(training_args.seed)
-    check_launch(training_args)  # refuse a distributed setup that accelerate silently replaced
     if script_args.dry_run:
         return plan_only(script_args, training_args, model_args).as_dict()
     run = build_pretraining(script_args, training_args, model_args, setup)  # data, tokenizer, plan, model, trainer

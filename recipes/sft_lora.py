@@ -31,7 +31,8 @@ Any field can be overridden on the command line (`--help` lists the recipe's own
 `--chatcore_every 200` (nanochat's ChatCORE every 200 steps and at the end, `hfl3.evaluate.chat_callback`),
 `--packing`, `--merge`, `--push_to_hub --hub_model_id USER/NAME` (with a local base model: `--base_model_hub_id
 USER/BASE`, unless the base folder's metadata.json names its Hub repository). Every path and name given is checked
-before any work (`hfl3.trainers.arguments.check_sft_inputs`): a mistyped one ends the run with one line and exit status 2.
+before any work (`hfl3.trainers.arguments.check_sft_inputs`, the first thing `main` runs): a mistyped one ends
+the run with one line and exit status 2.
 
 Outputs in `--output_dir`: the adapter (`peft.AutoPeftModelForCausalLM.from_pretrained(output_dir)` from any working
 directory: a local base is named by its absolute path in `adapter_config.json`, a Hub base by its id, and the copy
@@ -45,28 +46,26 @@ packed conversations apart (block-diagonal mask, or sequence boundaries for flas
 """
 
 import hfl3  # noqa: F401  (registers L3GPT; before transformers: keeps torchao's import-time warnings out)
-from hfl3.trainers.arguments import RecipeParser, RunSetup, add_config_argument, check_sft_inputs
+from hfl3.trainers.arguments import RecipeParser
 from hfl3.trainers.exits import run_recipe
-from hfl3.trainers.launch import check_launch
-from hfl3.trainers.sft import ChatSFTConfig
-from hfl3.trainers.sft_builder import SFTModelArguments, SFTScriptArguments, build_sft_trainer, finish_sft
+from hfl3.trainers.setup import set_up_sft
+from hfl3.trainers.sft_builder import build_sft_trainer, finish_sft
+from hfl3.trainers.sft_config import ChatSFTConfig, SFTModelArguments, SFTScriptArguments
 from hfl3.trainers.training import train_and_evaluate
 
 
 def make_parser() -> RecipeParser:
-    """`TrlParser` over the script, model and training arguments, in that order so that `--help` lists the
-    recipe's own options first (after `--config`); it returns them in that order too, then the `RunSetup` that
-    `check_sft_inputs` decided."""
-    return add_config_argument(RecipeParser((SFTScriptArguments, SFTModelArguments, ChatSFTConfig), check_sft_inputs))
+    """`TrlParser` over the script, training and model arguments (TRL's order; `--help` lists the recipe's own
+    options first, after `--config`); it returns them in that order and nothing else."""
+    return RecipeParser((SFTScriptArguments, ChatSFTConfig, SFTModelArguments))
 
 
 def main(script_args: SFTScriptArguments, training_args: ChatSFTConfig, model_args: SFTModelArguments,
-         setup: RunSetup | None = None) -> dict:
-    """Train (evaluating at step 0 and after, when there is evaluation data), save the adapter with provenance,
-    optionally merge and push, on the arguments as `make_parser()` parsed and checked them (`setup`: the output
-    folder and resume checkpoint resolved, the evaluation decided). Returns the results written to
-    `all_results.json`."""
-    check_launch(training_args)  # refuse a distributed setup that accelerate silently replaced
+         given: frozenset[str] = frozenset()) -> dict:
+    """Check the arguments as `make_parser()` parsed them (`given`: the fields the user set), then train (evaluating
+    at step 0 and after, when there is evaluation data), save the adapter with provenance, optionally merge and
+    push. Returns the results written to `all_results.json`."""
+    setup = set_up_sft(script_args, training_args, model_args, given)  # launch, paths, output folder, evaluation
     run = build_sft_trainer(script_args, training_args, model_args, setup)  # tokenizer, data, base model, trainer
     results = train_and_evaluate(run.trainer)
     finish_sft(run, results)  # metadata.json, folder committed whole, samples, merge, push

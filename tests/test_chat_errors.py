@@ -3,6 +3,7 @@ skipped and counted, and the kept rows are exactly those of the valid lines. A f
 bzip2, empty) is one line naming it and the fix, before any record is encoded; gzip-compressed JSONL is read."""
 
 import bz2
+import codecs
 import gzip
 import hashlib
 import json
@@ -16,7 +17,7 @@ from hfl3.data.masks import AssistantMasker
 from hfl3.data.sft import load_sft_data
 from hfl3.trainers.arguments import check_sft_arguments, decide_evaluation
 from hfl3.trainers.sft_builder import build_sft_trainer
-from hfl3.trainers.sft import ChatSFTConfig
+from hfl3.trainers.sft_config import ChatSFTConfig
 
 
 def line(messages) -> bytes:
@@ -296,3 +297,38 @@ def test_an_empty_dataset_split_is_one_line(tmp_path, qwen3):
     datasets.Dataset.from_list([{"text": "x"}]).select([]).to_parquet(str(empty))
     with pytest.raises(SFTDataError, match=rf"^--dataset_name {empty} \(train split\): no rows$"):
         load_sft_data(qwen3, dataset_name=str(empty), cache_dir=str(tmp_path / "cache"))
+
+
+# ---- a conversation's opening, byte order marks ----------------------------------------------------------------------
+
+BOM = codecs.BOM_UTF8
+S, U, A = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+           {"role": "assistant", "content": "Hello!"})
+
+OPENING_ERRORS = [  # (case, messages, reason)
+    ("assistant first", [A, U, A], "message 0 is from the assistant, but a conversation starts with a user message"),
+    ("assistant after the system prompt", [S, A], "message 1 is from the assistant"),
+    ("assistant first, no user at all", [A], "message 0 is from the assistant"),
+]
+
+
+@pytest.mark.parametrize("case, messages, reason", OPENING_ERRORS, ids=[c[0] for c in OPENING_ERRORS])
+def test_a_conversation_must_open_with_the_user(tmp_path, qwen3, case, messages, reason):
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(line([U, A]) + line(messages) + line([S, U, A]))
+    with pytest.raises(InvalidChatRecord, match=f"^{data}:2: {reason}") as error:
+        load_sft_data(qwen3, data)
+    assert "add the user turn it answers" in str(error.value) and error.value.kind == "malformed"
+    result = load_sft_data(qwen3, data, skip_invalid_records=True)
+    stats = result.stats["train_file"]
+    assert (stats.read, stats.malformed, stats.kept) == (3, 1, 2)
+    assert stats.first_errors == [str(error.value)]
+
+
+def test_a_byte_order_mark_starting_any_line_is_dropped(tmp_path, qwen3):
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "marked.jsonl"
+    plain.write_bytes(line([U, A]) + line([S, U, A]))
+    marked.write_bytes(BOM + line([U, A]) + BOM + line([S, U, A]))  # two BOM-prefixed files concatenated
+    reference, result = load_sft_data(qwen3, plain), load_sft_data(qwen3, marked)
+    assert result.train["input_ids"] == reference.train["input_ids"]
+    assert result.provenance["train_records_sha256"] == reference.provenance["train_records_sha256"]

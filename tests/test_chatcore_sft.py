@@ -6,6 +6,7 @@ adapter's model card), and the arguments refused before any work. The recipe run
 import json
 
 import pytest
+from recipe_setup import parse_and_set_up
 from test_sft_recipe import chats, l3gpt_folder, run_recipe  # noqa: F401  (l3gpt_folder: a fixture)
 
 from hfl3.data.chat import write_chat_jsonl
@@ -73,5 +74,5 @@ def test_chatcore_arguments_are_refused_before_any_work(tmp_path, l3gpt_folder, 
               "steps", "--eval_steps", "3", "--metric_for_best_model", "eval_chatcore/MMLU"],
              "every evaluation must compute ChatCORE")):
         with pytest.raises(ValueError, match=expected):
-            sft_recipe.make_parser().parse_args_and_config([*base, *flags])
+            parse_and_set_up(sft_recipe, [*base, *flags])
     assert not (tmp_path / "o").exists()

@@ -10,11 +10,13 @@ import pytest
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.trainers.compute_optimal import (
     REFERENCE_TOTAL_BATCH_SIZE,
+    apply_plan,
     auto_total_batch_size,
     compute_optimal_plan,
     derive_gradient_accumulation_steps,
 )
-from hfl3.trainers.pretrain import PretrainTrainer, PretrainConfig
+from hfl3.trainers.pretrain import PretrainTrainer
+from hfl3.trainers.pretrain_config import PretrainConfig
 
 # nanochat master (karpathy/nanochat 92d63d4) run on its own code, up to its training loop, on the meta device:
 #   python dev/nanochat_dial_reference.py --nanochat_dir PATH/TO/nanochat --depth D --world_size W [-- EXTRA]
@@ -203,7 +205,7 @@ def tiny_model() -> L3GPTForCausalLM:
 
 @pytest.mark.parametrize("optim", ["muon", "adamw_torch"])
 def test_the_plan_reaches_the_trainer_and_its_optimizer(tmp_path, optim):
-    """`apply_compute_optimal_plan` sets the steps, the accumulation and λ, and the optimizer's groups get the plan's
+    """`apply_plan` sets the steps, the accumulation and λ, and the optimizer's groups get the plan's
     LRs (√(512 / 2^19) = 1/32 here: every group but Muon's smear scaled)."""
     model = tiny_model()
     config = model.config
@@ -214,12 +216,12 @@ def test_the_plan_reaches_the_trainer_and_its_optimizer(tmp_path, optim):
                                        window_pattern="SL")
     plan = compute_optimal_plan(config, reference, args)
     assert plan.lr_scale == 1 / 32 and plan.gradient_accumulation_steps == 2
-    args.apply_compute_optimal_plan(plan)
+    apply_plan(args, plan)
     assert (args.max_steps, args.gradient_accumulation_steps) == (plan.max_steps, 2) and plan.max_steps > 0
     assert args.weight_decay == plan.weight_decay != 0.28
     assert "batch_lr_scale" not in args.to_dict()  # derived, not an argument
     with pytest.raises(RuntimeError, match="already applied"):
-        args.apply_compute_optimal_plan(plan)
+        apply_plan(args, plan)
     trainer = PretrainTrainer(model=model, args=args)
     trainer.create_optimizer_and_scheduler(args.max_steps)
     if optim == "muon":
@@ -239,12 +241,11 @@ def test_the_plan_reaches_the_trainer_and_its_optimizer(tmp_path, optim):
 def test_recipe_configs_use_the_dial(tmp_path, pretrain_recipe, repo_root, name, depth, steps, batch, accumulation):
     """The FineWeb configs set no max_steps: a dry run (no data read, vocabulary --vocab_size 32768, one process)
     plans nanochat master's run for their depth."""
-    from hfl3.trainers.arguments import parse_recipe_args
+    from recipe_setup import recipe_main
 
-    script_args, model_args, training_args, setup = parse_recipe_args(pretrain_recipe.make_parser(), [
+    plan, (script_args, training_args, model_args) = recipe_main(pretrain_recipe, [
         "--config", str(repo_root / "recipes" / "configs" / f"{name}.yaml"), "--dry_run", "--use_cpu",
         "--output_dir", str(tmp_path / "never_written")])
-    plan = pretrain_recipe.main(script_args, training_args, model_args, setup)
     assert model_args.depth == depth and training_args.max_steps == -1  # nothing applied by a dry run
     assert (plan["max_steps"], plan["total_batch_size"], plan["gradient_accumulation_steps"]) == (
         steps, batch, accumulation)

@@ -364,7 +364,8 @@ def test_training_evaluates_every_n_steps_and_at_the_end(saved_models, assets, t
     from hfl3.callbacks import ThroughputCallback
     from hfl3.evaluate import CoreMetricCallback
     from hfl3.tokenization import load_tokenizer
-    from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator, PretrainConfig
+    from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator
+    from hfl3.trainers.pretrain_config import PretrainConfig
 
     tokenizer = load_tokenizer(str(saved_models / "l3gpt"))
     model = L3GPTForCausalLM.from_pretrained(saved_models / "l3gpt", dtype=torch.float32)
@@ -393,7 +394,7 @@ def test_training_evaluates_every_n_steps_and_at_the_end(saved_models, assets, t
 def test_recipe_arguments_for_core_are_checked_before_any_work(pretrain_recipe, tmp_path, capsys, monkeypatch):
     from huggingface_hub import constants
 
-    from hfl3.trainers.arguments import parse_recipe_args
+    from recipe_setup import set_up_recipe
 
     monkeypatch.setattr(constants, "HF_ASSETS_CACHE", str(tmp_path / "assets"))  # nothing cached
     cases = [(["--core_metric_every", "0"], "core_metric_every=0: expected N > 0"),
@@ -402,11 +403,11 @@ def test_recipe_arguments_for_core_are_checked_before_any_work(pretrain_recipe, 
              (["--core_metric_every", "5"], "downloads are off (HF_HUB_OFFLINE=1): pass --core_bundle_dir DIR")]
     for args, message in cases:
         with pytest.raises(SystemExit, match="2") as stopped:
-            parse_recipe_args(pretrain_recipe.make_parser(), ["--output_dir", str(tmp_path / "out"), *args])
+            set_up_recipe(pretrain_recipe, ["--output_dir", str(tmp_path / "out"), *args])
         error = capsys.readouterr().err
         assert stopped.value.code == 2 and message in error, (args, error)
         assert len(error.strip().splitlines()) == 2  # the usage line, then the error
-    _, _, training_args, _ = parse_recipe_args(pretrain_recipe.make_parser(), [
+    _, training_args, _, _ = set_up_recipe(pretrain_recipe, [
         "--output_dir", str(tmp_path / "out"), "--core_metric_every", "5", "--core_bundle_dir", str(BUNDLE)])
     assert training_args.core_metric_every == 5 and training_args.core_metric_max_per_task == 500
 

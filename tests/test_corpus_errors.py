@@ -4,10 +4,12 @@ records left out while streaming are counted by reason, through a resume and acr
 read; a corpus too small for its validation split stops before any work is done on it."""
 
 import bz2
+import codecs
 import collections
 import gzip
 import hashlib
 import io
+from pathlib import Path
 import json
 import lzma
 import re
@@ -248,3 +250,72 @@ def test_a_corpus_too_small_for_the_validation_split_stops_before_any_work(tmp_p
     assert streaming.DocumentSource(corpus, split).require_document() == paragraphs[0]
     with pytest.raises(InputError, match=line):  # the same line where the validation rows are packed
         streaming.PackedStream(validation, tokenizer, max_seq_len=64).materialize(16)
+
+
+# ---- folders, byte order marks, repeats ------------------------------------------------------------------------------
+
+BOM = codecs.BOM_UTF8
+
+
+@pytest.mark.parametrize("files", [["notes.md", "README.md"], ["BOOK.TXT"], ["a.md", "b.TXT"]])
+def test_a_folder_without_readable_files_says_which_suffixes_are_read(tmp_path, files):
+    for name in files:
+        (tmp_path / name).write_text("some text\n")
+    found = ", ".join(sorted({Path(name).suffix for name in files}))
+    with pytest.raises(FileNotFoundError, match=r"matches no file: a --dataset entry reads \.txt, \.py, \.jsonl, "
+                                                rf"\.json, \.parquet, \.arrow files \(suffixes are case-sensitive\).*holds "
+                                                rf"{found}: rename or convert the files"):
+        sources.open_corpus(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=rf"holds {found}: rename"):
+        sources.open_corpus(str(tmp_path / "*.txt"))
+
+
+def read_documents(spec: str, **kwargs) -> list[str]:
+    corpus = sources.open_corpus(spec, **kwargs)
+    return [text for shard in corpus.shards for texts, _ in shard.read(None, 4) for text in texts]
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    (tmp_path / "one.txt").write_bytes(BOM + b"first\n\nsecond\n")
+    assert read_documents(str(tmp_path / "one.txt")) == ["first", "second\n"]
+    (tmp_path / "c.jsonl").write_bytes(BOM + b'{"text": "first"}\n' + b'{"text": "second"}\n')
+    assert read_documents(str(tmp_path / "c.jsonl")) == ["first", "second"]
+    (tmp_path / "only.txt").write_bytes(BOM + b"\n")
+    with pytest.raises(ValueError, match=r"only\.txt: empty"):
+        sources.open_corpus(str(tmp_path / "only.txt"))
+
+
+def test_identical_files_are_left_out_and_listed(tmp_path):
+    (tmp_path / "data").mkdir()
+    for name, text in [("data/a.txt", "alpha"), ("data/b.txt", "beta"), ("data/c.txt", "alpha"), ("held.txt", "beta")]:
+        (tmp_path / name).write_text(text)
+    corpus = sources.open_corpus(str(tmp_path / "data"))
+    assert [s.name for s in corpus.shards] == ["a.txt", "b.txt"]
+    assert corpus.report()["duplicate_files"] == {"c.txt": "a.txt"}
+    held_out = sources.open_corpus(str(tmp_path / "held.txt"))
+    corpus = sources.open_corpus(str(tmp_path / "data"), exclude=held_out)
+    assert corpus.duplicates == {"b.txt": "held.txt (held out)", "c.txt": "a.txt"}  # no eval text in training
+
+
+def test_repeated_documents_are_dropped_per_shard_and_resume_exactly(tmp_path, paragraphs):
+    unique = paragraphs[:40]
+    documents = unique[:30] + unique[5:12] + unique[30:] + unique[:3]  # 10 repeats inside the one shard
+    (tmp_path / "book.txt").write_text("\n\n".join(documents))
+    source = streaming.DocumentSource(sources.open_corpus(str(tmp_path / "book.txt")), read_batch=4,
+                                      shuffle_shards=False, epochs=2)
+    batches = list(source.batches())
+    assert [t for texts, _, _ in batches for t in texts] == unique + unique  # every epoch drops the same repeats
+    assert sum(skipped["duplicates"] for _, skipped, _ in batches) == 2 * 10
+    for k in (3, 9, 14):  # resume mid-shard after batch k: the repeats before it are remembered by replaying
+        assert list(source.batches(position=batches[k][2])) == batches[k + 1:]
+    kept_all = streaming.DocumentSource(source.corpus, read_batch=4, shuffle_shards=False, epochs=1, deduplicate=False)
+    assert [t for texts, _, _ in kept_all.batches() for t in texts] == documents
+
+
+def test_the_stream_counts_repeats_and_its_fingerprint_names_the_filter(tmp_path, paragraphs, tokenizer):
+    (tmp_path / "book.txt").write_text("\n\n".join(paragraphs[:50] * 2))
+    source = streaming.DocumentSource(sources.open_corpus(str(tmp_path / "book.txt")), read_batch=8, epochs=1)
+    packed = streaming.PackedStream(source, tokenizer, max_seq_len=64, shuffle_buffer=0)
+    _, _, counts = packed.materialize(10_000)
+    assert counts == {"documents": 50, "held_out": 0, "duplicates": 50, "missing_text": 0, "empty_text": 0}
+    assert packed.fingerprint()["deduplicate"] == "within shards"

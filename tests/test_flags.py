@@ -1,5 +1,5 @@
 """Every field of both recipes' argument classes, inherited ones included, is accounted for (`hfl3.trainers.flags`):
-honoured, refused in one line with exit status 2 while the arguments are parsed, or not applicable; a field that acts
+honoured, refused in one line with exit status 2 when the arguments are checked, or not applicable; a field that acts
 only with another setting is refused without it; `--hub_revision` sends the push to its branch; one regular
 expression in `--lora_target_modules` is TRL's and PEFT's."""
 
@@ -19,7 +19,7 @@ from huggingface_hub import constants as hub_constants
 from peft import get_peft_model
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, TrainingArguments
 from transformers.utils import is_liger_kernel_available
-from trl import ModelConfig, SFTConfig, TrlParser, get_peft_config
+from trl import ModelConfig, SFTConfig, get_peft_config
 
 from hfl3.data.chat import write_chat_jsonl
 from hfl3.provenance import push_folder_to_hub
@@ -28,8 +28,9 @@ from hfl3.errors import InputError
 from hfl3.provenance.portable import is_secret
 from hfl3.trainers.arguments import launch_arguments, parse_recipe_args, parsed_secrets
 from hfl3.trainers.exits import recipe_exits
-from hfl3.trainers.output_mixins import OutputFolderMixin
+from hfl3.trainers.hooks import TrainerHooks
 from hfl3.trainers.sft_builder import build_sft_trainer
+from recipe_setup import set_up_recipe
 
 CONFIGS = {"pretrain": "pretrain_tiny.yaml", "sft_lora": "sft_tiny.yaml"}
 TINY_QWEN3 = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -63,10 +64,10 @@ def recipe_arguments(recipe: str, repo_root: Path, inputs: Path, output: Path, c
 
 
 def parse_error(recipe_module, arguments: list, capsys) -> str:
-    """The one error line the recipe's parser ends with (exit status 2, after argparse's usage line)."""
+    """The one error line the recipe's parser or its checks end with (exit status 2, after argparse's usage line)."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        parse_recipe_args(recipe_module.make_parser(), arguments)
+        set_up_recipe(recipe_module, arguments)
     assert exit_info.value.code == 2
     usage, error = capsys.readouterr().err.splitlines()
     assert usage.startswith("usage: ")
@@ -131,7 +132,7 @@ def test_a_refused_flag_given_ends_the_recipe_in_one_line_before_any_work(recipe
     accepted = flags.REFUSED[recipe][field].accepted
     if accepted:  # given with what the recipe does anyway, it passes
         arguments = recipe_arguments(recipe, repo_root, inputs, output, {field: accepted[0]})
-        parse_recipe_args(recipes[recipe].make_parser(), arguments)
+        set_up_recipe(recipes[recipe], arguments)
 
 
 NEEDS_CASES = [  # (recipe, arguments refused, the one line, arguments that let them act)
@@ -175,7 +176,7 @@ def test_a_flag_that_needs_another_setting_is_refused_without_it(recipes, repo_r
     expected = message.format(model=inputs / "model")
     assert parse_error(recipes[recipe], base + arguments, capsys) == expected
     if acting is not None:  # the guard: with the setting it needs, the same flag passes
-        parse_recipe_args(recipes[recipe].make_parser(), base + arguments + acting)
+        set_up_recipe(recipes[recipe], base + arguments + acting)
 
 
 @pytest.mark.parametrize("name", sorted(path.name for path in (Path(__file__).parents[1] / "recipes" / "configs")
@@ -184,7 +185,7 @@ def test_the_shipped_configs_give_no_flag_that_cannot_act(recipes, repo_root, na
     recipe = "sft_lora" if name.startswith("sft") else "pretrain"
     parser = recipes[recipe].make_parser()
     arguments = ["--config", str(repo_root / "recipes" / "configs" / name), "--use_cpu"]  # bf16 configs, on a CPU
-    parsed = TrlParser.parse_args_and_config(parser, arguments)[:3]  # without the recipe's checks of paths
+    parsed = parser.parse_args_and_config(arguments)  # parsing only: no path is checked
     flags.refuse_flags(recipe, parser.given_arguments(arguments), *parsed)
 
 
@@ -222,7 +223,7 @@ def test_hub_revision_sends_the_push_to_its_branch_created_if_missing(tmp_path, 
                               hub_files=lambda folder: {},
                               args=SimpleNamespace(hub_model_id="me/model", hub_private_repo=True, hub_token="t",
                                                    hub_revision="dev"))
-    assert OutputFolderMixin.push_output(trainer).endswith("/commit/dev")
+    assert TrainerHooks.push_output(trainer).endswith("/commit/dev")
     assert FakeApi.calls == [("init", "t"), ("create_repo", "me/model", True, True),
                              ("create_branch", "me/model", "dev", True), ("upload_folder", "me/model", "dev")]
 
@@ -231,20 +232,20 @@ def test_push_flags_parse_with_the_end_strategy(pretrain_recipe, repo_root, inpu
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
     arguments = recipe_arguments("pretrain", repo_root, inputs, tmp_path / "out") + [
         "--push_to_hub", "--hub_model_id", "me/model", "--hub_strategy", "end", "--hub_revision", "dev"]
-    _, _, args, _ = parse_recipe_args(pretrain_recipe.make_parser(), arguments)
+    _, args, _, _ = set_up_recipe(pretrain_recipe, arguments)
     assert args.hub_revision == "dev" and args.hub_strategy.value == "end"
 
 
 def test_one_regular_expression_in_lora_target_modules_is_trls(sft_recipe, repo_root, inputs, tmp_path, capsys):
     base = recipe_arguments("sft_lora", repo_root, inputs, tmp_path / "out")
     pattern = r"model\.layers\.0\.self_attn\.(q|v)_proj"
-    _, model_args, _, _ = parse_recipe_args(sft_recipe.make_parser(), base + ["--lora_target_modules", pattern])
+    _, _, model_args, _ = set_up_recipe(sft_recipe, base + ["--lora_target_modules", pattern])
     assert model_args.lora_target_modules == pattern  # TRL's: one value is a regex, not a module name
     config = Qwen3Config(vocab_size=64, **TINY_QWEN3)
     adapted = get_peft_model(Qwen3ForCausalLM(config), get_peft_config(model_args))
     assert sorted(name for name, _ in adapted.named_modules() if name.endswith(".lora_A")) == [
         f"base_model.model.model.layers.0.self_attn.{kind}_proj.lora_A" for kind in "qv"]
-    _, model_args, _, _ = parse_recipe_args(sft_recipe.make_parser(), base + ["--lora_target_modules", "o_proj"])
+    _, _, model_args, _ = set_up_recipe(sft_recipe, base + ["--lora_target_modules", "o_proj"])
     assert model_args.lora_target_modules == ["o_proj"]  # a single name stays a name (PEFT: the end of a name)
     assert parse_error(sft_recipe, base + ["--lora_target_modules", r".*layers\.9\..*"], capsys) == (
         r"--lora_target_modules .*layers\.9\..*: a regular expression matched against whole module names (one value, "
@@ -263,7 +264,7 @@ def test_padding_free_without_packing_trains_as_the_padded_rows(sft_recipe, repo
     max_length), which gives the padded run's loss (the same chats, positions restarting per row)."""
     losses = {}
     for padding_free in ("false", "true"):
-        script, model, args, setup = parse_recipe_args(sft_recipe.make_parser(), [
+        script, args, model, setup = set_up_recipe(sft_recipe, [
             *recipe_arguments("sft_lora", repo_root, inputs, tmp_path / padding_free), "--padding_free", padding_free,
             "--max_steps", "2", "--per_device_train_batch_size", "2", "--eval_strategy", "no"])
         trainer = build_sft_trainer(script, args, model, setup).trainer
@@ -348,16 +349,16 @@ def test_a_message_that_quotes_a_credential_redacts_it(recipes, repo_root, input
                                                                          {name: TOKEN})):
             capsys.readouterr()
             with pytest.raises(SystemExit):
-                parse_recipe_args(recipes[recipe].make_parser(), arguments)
+                set_up_recipe(recipes[recipe], arguments)
             err = capsys.readouterr().err
             assert TOKEN not in err and f"--{name} <redacted>: acts only with --push_to_hub" in err
     assert TOKEN not in parse_error(recipes[recipe], [*base, "--hub_tokn", TOKEN], capsys)  # a mistyped flag
-    parsed = parse_recipe_args(recipes[recipe].make_parser(), [*base, "--push_to_hub", "false"])[:3]
-    parsed[2].hub_token = TOKEN
+    parsed = parse_recipe_args(recipes[recipe].make_parser(), [*base, "--push_to_hub", "false"])
+    parsed[1].hub_token = TOKEN
     assert TOKEN not in json.dumps(launch_arguments(parsed))  # what machines compare, and a difference shows
     assert launch_arguments(parsed)["hub_token"] != launch_arguments(parse_recipe_args(
-        recipes[recipe].make_parser(), base)[:3])["hub_token"]  # still compared
-    parsed[2].hub_token = "s3cr3t-of-another-hub"  # not shaped like a Hugging Face token: found by its field
+        recipes[recipe].make_parser(), base))["hub_token"]  # still compared
+    parsed[1].hub_token = "s3cr3t-of-another-hub"  # not shaped like a Hugging Face token: found by its field
     with pytest.raises(SystemExit), recipe_exits() as ending:  # a line at the end of a run
         ending.secrets = parsed_secrets(*parsed)
         raise InputError("the Hub refused the token s3cr3t-of-another-hub")

@@ -521,3 +521,11 @@ def test_accelerate_ao_yaml_trains_and_saves_plain_checkpoint(tmp_path, repo_roo
     with torch.no_grad():
         loss = plain(input_ids=batch, labels=batch).loss.item()
     assert loss < losses[0] - 0.5  # the saved weights are the trained ones
+
+
+def test_no_converted_layer_under_fp8_is_a_warning(caplog):
+    model = L3GPTForCausalLM(L3GPTConfig.from_depth(2, vocab_size=512, aspect_ratio=32, head_dim=32))
+    with caplog.at_level("WARNING", logger="hfl3.fp8.linear"):
+        convert_to_float8_training(model)
+    assert "FP8 tensorwise converted no layer of this model, so it trains in high precision" in caplog.text
+    assert "use a larger model or drop --fp8" in caplog.text

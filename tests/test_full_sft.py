@@ -17,8 +17,8 @@ from hfl3.generation import answer_prompts
 from hfl3.optim import create_muon_optimizer
 from hfl3.optim.state_file import load_optimizer_state, read_header, save_optimizer_state
 from hfl3.provenance import read_chain
-from hfl3.trainers.arguments import parse_recipe_args
-from hfl3.trainers.pretrain import PretrainConfig
+from recipe_setup import recipe_main, set_up_recipe
+from hfl3.trainers.pretrain_config import PretrainConfig
 from hfl3.trainers import sft_inheritance
 from hfl3.trainers.sft_builder import build_sft_trainer
 from hfl3.trainers.sft_inheritance import decide_from_base
@@ -88,21 +88,19 @@ def qwen3_folder(tmp_path_factory, assets):
 def pretrained(tmp_path_factory, pretrain_recipe, repo_root):
     """A tiny L3GPT pretrained by the recipe with Muon: its folder keeps the optimizer state."""
     output = tmp_path_factory.mktemp("pretrained") / "out"
-    script, model, args, setup = parse_recipe_args(pretrain_recipe.make_parser(), [
+    recipe_main(pretrain_recipe, [
         "--config", str(repo_root / "recipes" / "configs" / "pretrain_tiny.yaml"), "--output_dir", str(output),
         "--optim", "muon", "--max_steps", "4", "--tokenizer_train_chars", "100000", "--l3_sample_tokens", "20000",
         "--max_eval_rows", "4", "--eval_strategy", "no", "--disable_tqdm", "true", "--report_to", "none",
         "--dataloader_num_workers", "0", "--total_batch_size", "1024"])
-    pretrain_recipe.main(script, args, model, setup)
     return output
 
 
 def sft(sft_recipe, base, train, output, *extra):
-    script, model, args, setup = parse_recipe_args(sft_recipe.make_parser(), [
+    return recipe_main(sft_recipe, [
         "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path", str(base), "--train_file", str(train),
         "--output_dir", str(output), "--use_peft", "false", "--max_steps", "3", "--sample_prompts", PROMPT,
-        "--max_new_tokens", "6", *extra])
-    return sft_recipe.main(script, args, model, setup), setup
+        "--max_new_tokens", "6", *extra])[0]
 
 
 @pytest.mark.slow
@@ -145,7 +143,7 @@ def test_muon_sft_inherits_the_pretraining_run_and_warm_starts_its_optimizer(tmp
                                                                              caplog):
     monkeypatch.chdir(repo_root)
     pretrain_metadata = json.loads((pretrained / "metadata.json").read_text())
-    script, model, args, setup = parse_recipe_args(sft_recipe.make_parser(), [
+    script, args, model, setup = set_up_recipe(sft_recipe, [
         "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path", str(pretrained), "--train_file",
         str(chats), "--output_dir", str(tmp_path / "out"), "--use_peft", "false", "--optim", "muon",
         "--max_steps", "2", "--matrix_lr", "0.01"])
@@ -185,9 +183,9 @@ def test_muon_sft_inherits_the_pretraining_run_and_warm_starts_its_optimizer(tmp
 
 
 def refusal(sft_recipe, capsys, *arguments) -> str:
-    """The line the SFT recipe's parser ends with (exit status 2, before any work)."""
+    """The line the SFT recipe's checks end with (exit status 2, before any work)."""
     with pytest.raises(SystemExit) as exit_info:
-        parse_recipe_args(sft_recipe.make_parser(), list(arguments))
+        set_up_recipe(sft_recipe, arguments)
     assert exit_info.value.code == 2
     return capsys.readouterr().err.strip().splitlines()[-1]
 
@@ -212,7 +210,7 @@ def test_a_warm_start_that_cannot_act_is_one_line_and_exit_2(tmp_path, chats, qw
 
 def muon_sft_setup(sft_recipe, base, chats, output, *extra):
     """The SFT recipe's parsed arguments and `RunSetup` for every weight with Muon on `base`."""
-    return parse_recipe_args(sft_recipe.make_parser(), [
+    return set_up_recipe(sft_recipe, [
         "--config", "recipes/configs/sft_tiny.yaml", "--model_name_or_path", str(base), "--train_file", str(chats),
         "--output_dir", str(output), "--use_peft", "false", "--optim", "muon", "--max_steps", "2", *extra])
 
@@ -221,7 +219,7 @@ def muon_sft_setup(sft_recipe, base, chats, output, *extra):
 def test_muon_sft_on_a_base_muon_did_not_pretrain_derives_fine_tuning_lrs_from_the_learning_rate(
         tmp_path, chats, qwen3_folder, sft_recipe, monkeypatch, repo_root, caplog):
     monkeypatch.chdir(repo_root)
-    script, model, args, setup = muon_sft_setup(sft_recipe, qwen3_folder, chats, tmp_path / "a")
+    script, args, model, setup = muon_sft_setup(sft_recipe, qwen3_folder, chats, tmp_path / "a")
     hidden_size = 32  # qwen3_folder's width
     settings, _ = decide_from_base(model, args, frozenset())  # nothing given: a full fine-tuning's LR, TRL's 2e-5
     derived = {name: value for name, (value, _) in settings.items()}
@@ -261,7 +259,7 @@ def test_muon_sft_inherits_group_lrs_only_from_a_base_that_muon_pretrained(tmp_p
     metadata = json.loads((adamw_base / "metadata.json").read_text())
     metadata["training_args"]["use_muon"] = False
     (adamw_base / "metadata.json").write_text(json.dumps(metadata))
-    _, _, args, setup = muon_sft_setup(sft_recipe, adamw_base, chats, tmp_path / "a")
+    _, args, _, setup = muon_sft_setup(sft_recipe, adamw_base, chats, tmp_path / "a")
     hidden_size = metadata["model"]["hidden_size"]
     assert setup.settings["matrix_lr"][0] == pytest.approx(0.2 * hidden_size ** 0.5 * args.learning_rate)  # not 0.02
     assert "pretrained by recipes/pretrain.py without Muon" in setup.settings["matrix_lr"][1]

@@ -89,59 +89,6 @@ def test_fp8_without_torchao():
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 
-def load_recipe(repo_root, name: str):
-    spec = importlib.util.spec_from_file_location(name, repo_root / "recipes" / f"{name}.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    return recipe
-
-
-ARGUMENT_ERRORS = [  # (recipe, arguments, what the one message says)
-    ("pretrain", ["--no_such_flag"], "not used by the HfArgumentParser: ['--no_such_flag']"),
-    ("pretrain", ["--learning_rate", "abc"], "argument --learning_rate/--learning-rate: invalid float value: 'abc'"),
-    ("sft_lora", ["--eval_strategy", "bogus"], "bogus is not a valid IntervalStrategy"),
-    ("sft_lora", ["--config", "no_such_config.yaml"], "No such file or directory: 'no_such_config.yaml'"),
-    ("sft_lora", ["--config", "LIST_YAML"], "must contain a YAML mapping"),
-]
-
-
-@pytest.mark.parametrize("name, arguments, message", ARGUMENT_ERRORS)
-def test_a_bad_argument_is_one_message(repo_root, tmp_path, capsys, monkeypatch, name, arguments, message):
-    monkeypatch.chdir(repo_root)
-    (tmp_path / "list.yaml").write_text("- learning_rate: 0.1\n")
-    arguments = [argument.replace("LIST_YAML", str(tmp_path / "list.yaml")) for argument in arguments]
-    parser = load_recipe(repo_root, name).make_parser()
-    with pytest.raises(SystemExit) as exit_info:
-        parse_recipe_args(parser, arguments)
-    assert exit_info.value.code == 2
-    usage, error = capsys.readouterr().err.splitlines()
-    assert usage == f"usage: {parser.prog} [--config FILE] [options] (--help lists them)"
-    assert error.startswith(f"{parser.prog}: error: ") and message in error
-
-
-@pytest.mark.parametrize("name", ["pretrain", "sft_lora"])
-def test_recipe_start_with_a_bad_flag_prints_only_the_message(repo_root, name):
-    run = subprocess.run([sys.executable, f"recipes/{name}.py", "--no_such_flag"], capture_output=True, text=True,
-                         cwd=repo_root)
-    assert run.returncode == 2 and run.stdout == ""
-    assert run.stderr.splitlines() == [
-        f"usage: {name}.py [--config FILE] [options] (--help lists them)",
-        f"{name}.py: error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag']",
-    ]
-
-
-@pytest.mark.parametrize("name, own_option", [("pretrain", "--dataset"), ("sft_lora", "--train_file")])
-def test_help_starts_with_config_and_the_recipes_own_options(repo_root, name, own_option):
-    help_lines = load_recipe(repo_root, name).make_parser().format_help().splitlines()
-    first = "\n".join(help_lines[:40])
-    assert "--config FILE" in first and own_option in first, first
-    assert sum(line.lstrip().startswith("--config") for line in help_lines) == 1
-
-
-# What accelerate 1.15 sets up for each file of accelerate_configs/ launched on a machine without CUDA, with the
-# recipe flags that pick the CPU setup (measured with `accelerate launch` of each file on a 2-core CPU box,
-# 2026-11-24, dev/LOG.md), and on CUDA GPUs (accelerate/state.py): (config, recipe flags, what the launch asks for,
-# accelerate's distributed type, world size set up, processes launched, the start of the refusal or None).
 FSDP_ON_CPU = "FSDP (accelerate_configs/fsdp2.yaml) was launched but accelerate set up"
 LAUNCHES = [
     ("cpu.yaml", "", "ddp", "NO", 1, 1, None),
@@ -279,11 +226,11 @@ def test_a_run_the_dial_cannot_size_ends_in_one_line_before_the_tokenizer_is_tra
     status 2 before it trains its BPE (no tokenizer written to the staging area, nothing in the output folder)."""
     monkeypatch.setattr(sys, "argv", ["recipes/pretrain.py"])
     output = tmp_path / "out"
-    script_args, model_args, training_args, setup = parse_recipe_args(pretrain_recipe.make_parser(), [
+    parsed = parse_recipe_args(pretrain_recipe.make_parser(), [
         "--config", str(repo_root / "recipes/configs/pretrain_tiny.yaml"), "--use_cpu", "--report_to", "none",
         "--output_dir", str(output), "--max_steps", "-1", "--target_flops", "1"])
     with pytest.raises(SystemExit) as exit_info, recipe_exits():
-        pretrain_recipe.main(script_args, training_args, model_args, setup)
+        pretrain_recipe.main(*parsed)
     assert exit_info.value.code == 2
     assert re.fullmatch(r"pretrain\.py: error: target_flops=1 is less than one step of [\d,]+ tokens: raise it, or "
                         r"lower --total_batch_size\n", capsys.readouterr().err)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hfl3.trainers import outputs
-from hfl3.trainers.arguments import parse_recipe_args
-from hfl3.trainers.compute_optimal import parameter_counts
+from recipe_setup import set_up_recipe
+from hfl3.trainers.compute_optimal import apply_plan, parameter_counts
 from hfl3.trainers.pretrain_builder import build_model, build_pretraining, build_trainer
 
 TINY = ["--max_steps", "2", "--tokenizer_train_chars", "100000", "--l3_sample_tokens", "20000", "--max_eval_rows",
@@ -17,7 +17,7 @@ TINY = ["--max_steps", "2", "--tokenizer_train_chars", "100000", "--l3_sample_to
 
 
 def parsed(pretrain_recipe, repo_root, output_dir, *extra):
-    return parse_recipe_args(pretrain_recipe.make_parser(), [
+    return set_up_recipe(pretrain_recipe, [
         "--config", str(repo_root / "recipes" / "configs" / "pretrain_tiny.yaml"), "--output_dir", str(output_dir),
         *TINY, *extra])
 
@@ -31,12 +31,12 @@ def optimizer_groups(trainer) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_benchmark_arm_built_from_the_recipes_arguments_trains_as_the_recipe(tmp_path, pretrain_recipe, repo_root):
-    script, model_args, training_args, setup = parsed(pretrain_recipe, repo_root, tmp_path / "recipe")
+    script, training_args, model_args, setup = parsed(pretrain_recipe, repo_root, tmp_path / "recipe")
     run = build_pretraining(script, training_args, model_args, setup)
     recipe = run.trainer
     # The arm: the recipe's arguments, its plan and stream, a model of the same config with the same weights
-    _, _, arm_args, _ = parsed(pretrain_recipe, repo_root, tmp_path / "arm")
-    arm_args.apply_compute_optimal_plan(run.plan)
+    _, arm_args, _, _ = parsed(pretrain_recipe, repo_root, tmp_path / "arm")
+    apply_plan(arm_args, run.plan)
     model = build_model(copy.deepcopy(recipe.model.config), arm_args, allocation=recipe.model.model.l3_counts())
     model.load_state_dict(recipe.model.state_dict())
     arm = build_trainer(model, arm_args, run.data.train, run.plan.flops_per_token, tokenizer=recipe.processing_class,
@@ -54,9 +54,9 @@ def test_a_benchmark_arm_built_from_the_recipes_arguments_trains_as_the_recipe(t
     for (name, a), b in zip(recipe.model.named_parameters(), arm.model.parameters()):
         assert torch.equal(a.grad, b.grad), name
     # The guard: a trainer built another way (here, the Trainer's own AdamW) is told apart
-    _, _, adamw_args, _ = parsed(pretrain_recipe, repo_root, tmp_path / "adamw", "--optim", "adamw_torch",
+    _, adamw_args, _, _ = parsed(pretrain_recipe, repo_root, tmp_path / "adamw", "--optim", "adamw_torch",
                                  "--eval_strategy", "no")
-    adamw_args.apply_compute_optimal_plan(run.plan)
+    apply_plan(adamw_args, run.plan)
     other = build_trainer(copy.deepcopy(model), adamw_args, run.data.train, None, tokenizer=recipe.processing_class)
     assert optimizer_groups(other) != optimizer_groups(recipe)
 
@@ -66,7 +66,7 @@ def test_the_output_folder_is_resolved_once_and_is_what_the_trainer_uses(tmp_pat
                                                                          monkeypatch):
     probes = []
     monkeypatch.setattr(outputs, "separate_disks", lambda folder: probes.append(folder) or outputs.SeparateDisks())
-    script, model_args, training_args, setup = parsed(pretrain_recipe, repo_root, tmp_path / "out", "--max_steps",
+    script, training_args, model_args, setup = parsed(pretrain_recipe, repo_root, tmp_path / "out", "--max_steps",
                                                       "1", "--eval_strategy", "no")
     assert len(probes) == 1 and setup.output.path == tmp_path / "out"
     run = build_pretraining(script, training_args, model_args, setup)

@@ -17,7 +17,8 @@ from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data.sources import open_corpus
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator, PretrainConfig
+from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator
+from hfl3.trainers.pretrain_config import PretrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +176,7 @@ def test_optim_selects_the_optimizer_and_muon_takes_the_group_lrs(tmp_path, stre
     from hfl3.optim import MuonAdamW
     from hfl3.trainers.arguments import parse_recipe_args
 
-    _, _, args, _ = parse_recipe_args(pretrain_recipe.make_parser(), [
+    _, args, _ = parse_recipe_args(pretrain_recipe.make_parser(), [
         "--output_dir", str(tmp_path), "--eval_strategy", "no", "--optim", "muon", "--matrix_lr", "0.05",
         "--embedding_lr", "0.1", "--l3_table_lr", "0.2"])
     assert args.use_muon and args.optim == "adamw_torch"

@@ -11,7 +11,8 @@ from transformers import TrainerCallback
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.callbacks import ThroughputCallback
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator, PretrainConfig
+from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator
+from hfl3.trainers.pretrain_config import PretrainConfig
 
 SEQ_LEN, BATCH = 64, 4
 # Tensor → Python conversions and copies to the host: each one waits for the device to finish all queued work.
@@ -189,11 +190,11 @@ def test_auto_find_batch_size_is_refused_while_parsing(tmp_path):
 
 
 def test_fp8_without_compile_warns_at_start(tmp_path, caplog):
-    with caplog.at_level("WARNING", logger="hfl3.trainers.pretrain"):
+    with caplog.at_level("WARNING", logger="hfl3.trainers.pretrain_config"):
         PretrainConfig(output_dir=str(tmp_path), fp8="tensorwise", report_to="none")
     assert "without torch_compile" in caplog.text and "--torch_compile true" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="hfl3.trainers.pretrain"):
+    with caplog.at_level("WARNING", logger="hfl3.trainers.pretrain_config"):
         PretrainConfig(output_dir=str(tmp_path), fp8="tensorwise", torch_compile=True, report_to="none")
     assert "without torch_compile" not in caplog.text
 

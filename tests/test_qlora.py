@@ -1,6 +1,6 @@
 """QLoRA: `--load_in_4bit` / `--load_in_8bit` load the base as TRL does (`hfl3.trainers.base_model`), LoRA trains on
 it through `ChatSFTTrainer`, the adapter reloads on a base quantized the same way, the merge equals the adapter
-model, an L3GPT keeps its tables, embeddings and gates in high precision, and bad combinations stop at parse time.
+model, an L3GPT keeps its tables, embeddings and gates in high precision, and bad combinations stop before any work.
 Tiny models from configs, the fixture Qwen3 tokenizer, GSM8K chats; bitsandbytes' CPU backend."""
 
 import json
@@ -23,8 +23,8 @@ from hfl3.trainers.base_model import (
     quantization_metadata,
 )
 from hfl3.trainers.cards import sft_model_card
-from hfl3.trainers.sft import ChatSFTConfig, ChatSFTTrainer
-from hfl3.trainers.sft_builder import SFTModelArguments
+from hfl3.trainers.sft import ChatSFTTrainer
+from hfl3.trainers.sft_config import ChatSFTConfig, SFTModelArguments
 
 bnb = pytest.importorskip("bitsandbytes", reason="the qlora extra: pip install 'hfl3[qlora]'")
 
@@ -122,7 +122,7 @@ def test_load_in_8bit_trains_lora_through_int8_layers(qwen3_folder, tmp_path, gs
     assert quantization_metadata(model)["quant_type"] == "llm_int8"
 
 
-# ---- refusals at parse time ----------------------------------------------------------------------------------------
+# ---- refusals before any work --------------------------------------------------------------------------------------
 
 REFUSALS = [  # (name, model arguments, model_init_kwargs, bitsandbytes installed, message)
     ("4-bit and 8-bit", dict(load_in_4bit=True), None, True, "--load_in_4bit and --load_in_8bit: choose one"),

@@ -81,7 +81,7 @@ def test_every_recipe_shows_a_repeated_warning_once_with_its_count(recipe, pretr
                               "--model_name_or_path", str(sft_inputs), "--train_file",
                               str(sft_inputs / "train.jsonl")]}[recipe]
     with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as exit_info:
-        run_recipe(module.make_parser(), lambda *parsed: int8_steps(20),  # the recipe's run, here 20 int8 steps
+        run_recipe(module.make_parser(), lambda *parsed, given: int8_steps(20),  # the recipe's run: 20 int8 steps
                    [*arguments, "--output_dir", str(tmp_path / "out")])
     assert exit_info.value.code == 0
     assert shown(caplog, CAST) == 1 and REPEATED.format(count=19) in caplog.text

@@ -1,6 +1,7 @@
 """The repository stands alone: no text in it sends a reader to our issue tracker or to a file outside the clone,
-and every "docs/design.md, decision N" it cites exists."""
+every "docs/design.md, decision N" it cites exists, and every dotted `hfl3.x.y` it names imports."""
 
+import importlib
 import re
 import subprocess
 from pathlib import Path
@@ -36,3 +37,54 @@ def test_cited_decisions_exist():
     missing = [f"{name}: decision {n}" for name, text in tracked_text_files() for n in CITATION.findall(text)
                if n not in decisions]
     assert not missing, "cited decisions missing from docs/design.md: " + ", ".join(missing)
+
+
+DOTTED = re.compile(r"(?<![\w./-])hfl3(?:\.[A-Za-z_]\w*)+")
+NOT_MODULES = re.compile(r"getLogger\([\"']$")  # a logger's name, written before the dotted name
+HEADER_KEYS = {"hfl3.lineage", "hfl3.sha256", "hfl3.versions", "hfl3.nanochat_source"}
+"""Safetensors header keys (`hfl3.provenance.safetensors_header` writes `hfl3.<key>`): data, not module paths."""
+
+
+def resolves(name: str) -> bool:
+    """`name` is an importable module, or an attribute (chain) of the longest importable module it starts with."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:end]))
+        except ModuleNotFoundError:
+            continue
+        for attribute in parts[end:]:
+            if not hasattr(found, attribute):
+                return False
+            found = getattr(found, attribute)
+        return True
+    return False
+
+
+def cited_hfl3_names() -> dict[str, str]:
+    """`{dotted hfl3 name: the first file naming it}` over the tracked text (docs and integrations included; not the
+    history in dev/LOG.md and benchmarks/results)."""
+    names = subprocess.run(["git", "ls-files", "--", *SCOPE, "docs", "integrations", "dev"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    found: dict[str, str] = {}
+    for name in names:
+        if name in ("dev/LOG.md", "tests/test_references.py") or name.startswith(("benchmarks/results/",
+                                                                                   "tests/fixtures/")):
+            continue
+        try:
+            text = (REPO / name).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+        for match in DOTTED.finditer(text):
+            if not NOT_MODULES.search(text[max(0, match.start() - 12):match.start()]):
+                found.setdefault(match.group(0), name)
+    return found
+
+
+def test_cited_hfl3_paths_resolve():
+    cited = cited_hfl3_names()
+    assert len(cited) > 100 and "hfl3.data.chat" in cited  # the scan read the repository
+    stale = [f"{name} ({where})" for name, where in sorted(cited.items())
+             if name not in HEADER_KEYS and not resolves(name)]
+    assert not stale, "names of hfl3 that do not import (rename them where cited):\n" + "\n".join(stale)
+    assert not resolves("hfl3.trainers.no_such_module") and not resolves("hfl3.data.chat.no_such_name")

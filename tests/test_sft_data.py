@@ -18,6 +18,7 @@ from hfl3.data.inspect import highlight
 from hfl3.data.masks import AssistantMasker
 from hfl3.data.sft import load_sft_data
 from hfl3.data.sft_sources import iter_shard, open_jsonl
+from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.nanochat.convert_nanochat_tokenizer import load_nanochat_encoding, tokenizer_from_encoding
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.exits import recipe_exits
@@ -300,11 +301,11 @@ def test_the_recipe_ends_with_one_line_and_exit_2_when_nothing_valid_is_left(tmp
     AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3").save_pretrained(model)
     data = tmp_path / "bad.jsonl"
     data.write_bytes(b"".join(BAD_LINES))
-    script, model_args, args, setup = parse_recipe_args(sft_recipe.make_parser(), [
+    parsed = parse_recipe_args(sft_recipe.make_parser(), [
         "--model_name_or_path", str(model), "--train_file", str(data), "--output_dir", str(tmp_path / "out"),
         *flags])
     with pytest.raises(SystemExit) as exit_info, recipe_exits("sft_lora.py"):
-        sft_recipe.main(script, args, model_args, setup)
+        sft_recipe.main(*parsed)
     assert exit_info.value.code == 2
     line = capsys.readouterr().err.splitlines()[-1]  # after the progress bars of `datasets`
     assert line.startswith("sft_lora.py: error: " + message.format(data=data))
@@ -317,3 +318,40 @@ def test_no_usable_record_in_a_dataset_split_is_one_error(tmp_path, tokenizers):
                                            r"'malformed': 0, 'no_assistant': 1"):
         load_sft_data(tokenizers["qwen3"], dataset_name=str(folder), skip_invalid_records=True,
                       cache_dir=str(tmp_path / "cache"))
+
+
+# ---- repeated records ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen3(assets):
+    return AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
+
+
+def test_duplicate_records_are_dropped_before_the_split_and_counted(tmp_path, qwen3):
+    chats = stdlib_docstring_chats(20, seed=0)
+    assert len({json.dumps(c["messages"]) for c in chats}) == 20
+    # 5 repeats (another id, same messages): without the drop, val_split=0.5 would put some on both sides
+    data = write_chat_jsonl(chats + [{"id": "again", **chats[i]} for i in (0, 3, 3, 7, 19)], tmp_path / "d.jsonl")
+    result = load_sft_data(qwen3, data, val_split=0.5, seed=0, max_length=256)
+    stats = result.stats["train_file"]
+    assert (stats.read, stats.duplicates, stats.kept) == (25, 5, 20)
+    assert stats.first_errors[0] == f"{data}:21: same messages as {data}:1"
+    assert result.provenance["counts"]["train_file"]["duplicates"] == 5
+    assert result.provenance["train_examples"] + result.provenance["eval_examples"] == 20
+    train, evaluation = ({tuple(ids) for ids in split["input_ids"]} for split in (result.train, result.eval))
+    assert len(train) == 10 and len(evaluation) == 10 and not train & evaluation
+    # the kept rows are exactly those of the file without its repeats
+    clean = load_sft_data(qwen3, write_chat_jsonl(chats, tmp_path / "c.jsonl"), val_split=0.5, seed=0, max_length=256)
+    assert result.train["input_ids"] == clean.train["input_ids"]
+    assert result.provenance["train_records_sha256"] == clean.provenance["train_records_sha256"]
+
+
+def test_an_eval_record_repeating_a_training_record_is_dropped(tmp_path, qwen3):
+    chats = stdlib_docstring_chats(6, seed=1)
+    train = write_chat_jsonl(chats[:4], tmp_path / "train.jsonl")
+    evaluation = write_chat_jsonl([chats[1], chats[4], chats[5], chats[4]], tmp_path / "eval.jsonl")
+    result = load_sft_data(qwen3, train, eval_file=evaluation, max_length=256)
+    stats = result.stats["eval_file"]
+    assert (stats.read, stats.duplicates, stats.kept) == (4, 2, 2) and len(result.eval) == 2
+    assert stats.first_errors == [f"{evaluation}:1: same messages as {train}:2",
+                                  f"{evaluation}:4: same messages as {evaluation}:2"]

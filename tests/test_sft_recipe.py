@@ -37,9 +37,12 @@ from hfl3.models.l3gpt.linear_cross_entropy import CHUNK_BYTES
 from hfl3.provenance import sha256_file, sha256_records
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.arguments import parse_recipe_args
+from hfl3.trainers.guards import check_vocabulary_fits
 from hfl3.trainers.sft_builder import build_sft_trainer
 from hfl3.trainers.outputs import base_model_hub_id, local_base_model
-from hfl3.trainers.sft import ChatSFTTrainer, ChatSFTConfig
+from hfl3.trainers.sft import ChatSFTTrainer
+from hfl3.trainers.sft_config import ChatSFTConfig
+from recipe_setup import parse_and_set_up, recipe_main
 
 WORDS = "the king and queen of love shall die good night sweet prince my lord what is this".split()
 
@@ -365,9 +368,9 @@ def test_cpu_defaults_differ_from_trl_where_documented(tmp_path, sft_recipe):
 
 def run_recipe(recipe, caplog, *arguments: str) -> tuple[dict, object]:
     """`recipes/sft_lora.py ARGUMENTS` in this process (as its `__main__` does); returns the results and the args."""
-    with caplog.at_level("INFO", logger="hfl3"):  # the arguments are checked while parsed (hfl3.trainers.arguments)
-        script, model, args, setup = parse_recipe_args(recipe.make_parser(), [*arguments, "--disable_tqdm", "true"])
-        return recipe.main(script, args, model, setup), args
+    with caplog.at_level("INFO", logger="hfl3"):  # the arguments are checked first in main (hfl3.trainers.setup)
+        results, (_, args, _) = recipe_main(recipe, [*arguments, "--disable_tqdm", "true"])
+        return results, args
 
 
 def test_the_plainest_command_trains_without_evaluation(tmp_path, l3gpt_folder, sft_recipe, caplog):
@@ -415,8 +418,8 @@ def test_a_refusal_involving_a_value_hfl3_chose_says_so_and_names_the_flag(tmp_p
            "it" in line and "save_strategy=steps is hfl3's choice for a --save_steps given alone" in line
     assert "load_best_model_at_end=True is" not in line  # given: the user's own
     with pytest.raises(ValueError) as error:  # early stopping against a best-model selection hfl3 left off
-        sft_recipe.make_parser().parse_args_and_config([*base, "--val_split", "0.25", "--save_strategy", "no",
-                                                        "--early_stopping_patience", "2"])
+        parse_and_set_up(sft_recipe, [*base, "--val_split", "0.25", "--save_strategy", "no",
+                                      "--early_stopping_patience", "2"])
     assert "and --load_best_model_at_end true (" in str(error.value)
     assert str(error.value).endswith("load_best_model_at_end=False is hfl3's default where no checkpoint follows every "
                                      "evaluation, not a value you gave; --load_best_model_at_end changes it)")
@@ -425,9 +428,9 @@ def test_a_refusal_involving_a_value_hfl3_chose_says_so_and_names_the_flag(tmp_p
 def test_evaluation_asked_for_without_evaluation_data_is_refused(tmp_path, sft_recipe):
     for flags in (["--eval_strategy", "epoch"], ["--load_best_model_at_end", "true"],
                   ["--early_stopping_patience", "2"]):
-        with pytest.raises(ValueError, match="needs"):  # while parsing, before any path is looked at
-            sft_recipe.make_parser().parse_args_and_config(
-                ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--output_dir", str(tmp_path), *flags])
+        with pytest.raises(ValueError, match="needs"):  # by the checks, before the model or data is looked at
+            parse_and_set_up(sft_recipe, ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--output_dir",
+                                          str(tmp_path), *flags])
 
 
 # ---- adapters load the standard way -----------------------------------------------------------------------------
@@ -470,9 +473,8 @@ def adapters(tmp_path_factory, l3gpt_folder, qwen3_folder, hub_cache, sft_recipe
         patch.chdir(work)
         patch.setattr(hub_constants, "HF_HUB_CACHE", str(hub_cache))
         for name, base in [("l3gpt", str(l3gpt_folder)), ("qwen3", str(qwen3_folder)), ("l3gpt_hub", HUB_BASE)]:
-            script, model, args, setup = parse_recipe_args(sft_recipe.make_parser(), [
+            recipe_main(sft_recipe, [
                 "--model_name_or_path", base, "--train_file", "train.jsonl", "--output_dir", f"adapters/{name}", *TINY])
-            sft_recipe.main(script, args, model, setup)
             ids = AutoTokenizer.from_pretrained(base)("what is this?", return_tensors="pt")["input_ids"]
             trained[name] = (base, work / "adapters" / name, ids)
     return work, trained
@@ -583,12 +585,11 @@ def test_what_is_pushed_names_the_base_by_its_hub_id_and_holds_no_local_path(tmp
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     output_dir = tmp_path / "out"
     train = write_chat_jsonl(chats("good", 8, seed=0), tmp_path / "train.jsonl")
-    script, model, args, setup = parse_recipe_args(sft_recipe.make_parser(), [
+    results, _ = recipe_main(sft_recipe, [
         "--model_name_or_path", str(l3gpt_folder), "--train_file", str(train), "--val_split", "0.25",
         "--output_dir", str(output_dir), "--push_to_hub", "--hub_model_id", "me/tiny-adapter",
         "--base_model_hub_id", "me/tiny-l3gpt", *TINY])
-    assert looked_up == ["me/tiny-l3gpt"]  # checked while parsing, before training
-    results = sft_recipe.main(script, args, model, setup)
+    assert looked_up == ["me/tiny-l3gpt"]  # checked once, by the checks main runs first
     assert results["best_model_checkpoint"]  # a local path, which the pushed results must not hold
     [(repo_id, files)] = uploads
     assert repo_id == "me/tiny-adapter" and not (output_dir / "_hfl3_staging").exists()
@@ -603,3 +604,18 @@ def test_what_is_pushed_names_the_base_by_its_hub_id_and_holds_no_local_path(tmp
     assert "AutoPeftModelForCausalLM.from_pretrained('me/tiny-adapter')" in card_snippet(card)
     local = json.loads((output_dir / "adapter_config.json").read_text())
     assert local["base_model_name_or_path"] == str(l3gpt_folder.resolve())  # the local copy still loads here
+
+
+# ---- the tokenizer fits the model ------------------------------------------------------------------------------------
+
+def test_a_tokenizer_larger_than_the_embeddings_is_refused(assets):
+    qwen3 = AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
+    config = Qwen3Config(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match=rf"has {len(qwen3)} tokens .* has 1000 embedding rows: token ids >= 1000 "
+                                         r"have no embedding\. Use the model's own tokenizer"):
+        check_vocabulary_fits(qwen3, Qwen3ForCausalLM(config))
+    check_vocabulary_fits(qwen3, Qwen3ForCausalLM(Qwen3Config(**{**config.to_dict(), "vocab_size": len(qwen3)})))
+    # with the data to be fed: only ids that occur (and the pad id: Qwen3's is 151643) must have a row
+    with pytest.raises(ValueError, match=r"the data hold token id 151643 .* has 1000 embedding rows"):
+        check_vocabulary_fits(qwen3, Qwen3ForCausalLM(config), [Dataset.from_dict({"input_ids": [[5, 999]]})])

@@ -58,12 +58,12 @@ def test_the_hfl3_arm_fills_the_table_and_counts_a_planted_sync_and_zeroing(step
         planted = {key.split(" | ")[0]: count for category in ("sync", "fill")
                    for key, count in counts[category]["by_site"].items() if "(planted)" in key}
         assert planted == {"item": 1.0, step_proxies.ZEROING: 1.0}, (phase, planted)
-        # every tensor of the collated batch reaches the device without blocking (PretrainTrainer.get_batch_samples),
+        # every tensor of the collated batch reaches the device without blocking (TrainerHooks.get_batch_samples),
         # so the Trainer's own `.to(device)` (`_prepare_input`) finds it there: no host sync (nanochat: none)
         batch = PackedCollator(0, attend_across_documents=True)([{"input_ids": [0, 1, 2]}])
         prepared = sum(count for key, count in counts["sync"]["by_site"].items() if "(_prepare_input)" in key)
         moved = sum(count for key, count in counts["copy"]["by_site"].items()
-                    if key.startswith(step_proxies.step_counting.H2D_NB) and "hfl3/trainers/pretrain.py" in key)
+                    if key.startswith(step_proxies.step_counting.H2D_NB) and "hfl3/trainers/hooks.py" in key)
         assert prepared == 0, counts["sync"]["by_site"]
         if phase == "compiled":  # the eager phase's counter starts after the step's batch is fetched
             assert moved == len(batch), counts["copy"]["by_site"]

@@ -3,31 +3,32 @@ one or changes its parameters fails here, naming the hfl3 feature that would sil
 quietly losing it. Everything else hfl3's trainers change goes through public hooks (callbacks, `training_step`,
 `compute_loss`, `create_optimizer`, `get_train_dataloader`, `get_batch_samples`, `log`, `save_model`, `train`)."""
 
+import functools
 import inspect
-import itertools
 
 import datasets
 import pytest
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from trl import SFTTrainer
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.trainers.guards import NonFiniteGuard, NonFiniteTrainingError
-from hfl3.trainers.optimizers import OptimizerMixin
-from hfl3.trainers.output_mixins import PretrainOutputs
-from hfl3.trainers.pretrain import PackedCollator, PretrainConfig, PretrainTrainer
+from hfl3.trainers.metrics import NonFiniteTrainingError
+from hfl3.trainers.hooks import TrainerHooks
+from hfl3.trainers.pretrain import PackedCollator, PretrainTrainer
+from hfl3.trainers.pretrain_config import PretrainConfig
 from hfl3.trainers.sft import ChatSFTTrainer
+from hfl3.trainers.sft_config import ChatSFTConfig
 
 EMPTY = inspect.Parameter.empty
 PRIVATE_HOOKS = [
     # (method, its parameters and defaults, the hfl3 feature that depends on it)
     ("_save_checkpoint", [("self", EMPTY), ("model", EMPTY), ("trial", EMPTY)],
-     "staged checkpoints (OutputFolderMixin): the Trainer's whole checkpoint is written into _hfl3_staging and renamed "
+     "staged checkpoints (TrainerHooks, hfl3.trainers.run_folder): the Trainer's whole checkpoint is written into _hfl3_staging and renamed "
      "to checkpoint-N once complete, hfl3_run.json and the data-stream state included, so a kill never leaves an "
      "incomplete checkpoint-N; no public hook wraps the checkpoint write (on_save runs after it)"),
     ("_get_grad_norm", [("self", EMPTY), ("model", EMPTY), ("grad_norm", None)],
-     "the NaN/inf guard (NonFiniteGuard): the pre-clipping gradient norm of every optimizer step, checked on the "
+     "the NaN/inf guard (TrainerHooks, hfl3.trainers.metrics.NonFiniteFlags): the pre-clipping gradient norm of every optimizer step, checked on the "
      "device; no public hook receives it (callbacks see it only in the logs, as a host float)"),
     ("_track_num_input_tokens", [("self", EMPTY), ("inputs", EMPTY)],
      "sync-free pretraining steps (PretrainTrainer): input tokens counted on the host and summed across processes only "
@@ -43,6 +44,23 @@ def test_each_private_hook_keeps_its_signature(name, parameters, feature):
     assert found == parameters, f"Trainer.{name}{inspect.signature(method)} changed; check: {feature}"
 
 
+def test_the_private_device_setup_keeps_its_shape():
+    """`ProcessGroupTimeout` overrides `TrainingArguments._setup_devices`, a `cached_property` taking only `self`
+    that `__post_init__` reaches through `self.device`: the feature that depends on it is `--ddp_timeout` acting with
+    `--use_cpu` (a lost rank fails within it, not after torch's 30 minutes). And it is the only private name of
+    `TrainingArguments` the recipes' arguments override."""
+    hook = vars(TrainingArguments).get("_setup_devices")
+    assert isinstance(hook, functools.cached_property), "TrainingArguments._setup_devices is gone or changed; lost: " \
+        "--ddp_timeout with --use_cpu (hfl3.trainers.launch.ProcessGroupTimeout)"
+    assert list(inspect.signature(hook.func).parameters) == ["self"]
+    for config in (PretrainConfig, ChatSFTConfig):
+        hfl3_classes = [cls for cls in config.__mro__ if cls.__module__.startswith("hfl3.")]
+        overridden = {name for cls in hfl3_classes for name in vars(cls) if name.startswith("_") and not
+                      name.startswith("__") and hasattr(TrainingArguments, name)}
+        assert overridden == {"_setup_devices"}, (config, overridden)
+        assert isinstance(inspect.getattr_static(config, "_setup_devices"), functools.cached_property)
+
+
 @pytest.mark.parametrize("trainer_class, base", [(PretrainTrainer, Trainer), (ChatSFTTrainer, SFTTrainer)])
 def test_no_other_private_trainer_method_is_overridden(trainer_class, base):
     hfl3_classes = [cls for cls in trainer_class.__mro__ if cls.__module__.startswith("hfl3.")]
@@ -54,12 +72,31 @@ def test_no_other_private_trainer_method_is_overridden(trainer_class, base):
     assert ("_track_num_input_tokens" in overridden) == (trainer_class is PretrainTrainer)
 
 
-@pytest.mark.parametrize("order", list(itertools.permutations([NonFiniteGuard, OptimizerMixin, PretrainOutputs])),
-                         ids=lambda order: "-".join(cls.__name__ for cls in order))
-def test_the_mixins_work_in_any_order(order, tmp_path):
-    """Each order of the three mixins before the Trainer: MuonAdamW is built, a checkpoint is staged and committed,
-    and a NaN at step 2 stops the run before anything of that step is saved (docs/design.md, decision 19)."""
-    trainer_class = type("Trainer_" + "_".join(cls.__name__ for cls in order), (*order, Trainer), {})
+TRAINERS = [(PretrainTrainer, Trainer), (ChatSFTTrainer, SFTTrainer)]
+
+
+@pytest.mark.parametrize("trainer_class, base", TRAINERS, ids=["PretrainTrainer", "ChatSFTTrainer"])
+def test_each_trainer_method_is_overridden_in_one_place(trainer_class, base):
+    """The hfl3 part of each trainer's bases is the trainer and `TrainerHooks`, directly before the library's class:
+    no order of bases to choose; and across hfl3 each method of the library's trainer is defined by one class only
+    (docs/design.md, decision 19)."""
+    hfl3_classes = [cls for cls in trainer_class.__mro__ if cls.__module__.startswith("hfl3.")]
+    assert hfl3_classes == [trainer_class, TrainerHooks]
+    assert trainer_class.__mro__[2] is base
+    defined_by: dict[str, set] = {}
+    for cls in {TrainerHooks, *(trainer for trainer, _ in TRAINERS)}:
+        for name in vars(cls):
+            if callable(getattr(base, name, None)) or isinstance(getattr(base, name, None), property):
+                defined_by.setdefault(name, set()).add(cls.__name__)
+    assert {name: owners for name, owners in defined_by.items() if len(owners) > 1} == {}
+    assert {"__init__", "train", "training_step", "log", "_save_checkpoint"} <= {
+        name for name, owners in defined_by.items() if owners == {"TrainerHooks"}}  # the guard: the hooks are seen
+
+
+def test_the_hooks_together(tmp_path):
+    """MuonAdamW is built, a checkpoint is staged and committed, and a NaN at step 2 stops the run before anything of
+    that step is saved (docs/design.md, decision 19)."""
+    trainer_class = PretrainTrainer
     torch.manual_seed(0)
     model = L3GPTForCausalLM(L3GPTConfig.from_depth(1, vocab_size=64, aspect_ratio=64, head_dim=32,
                                                     max_position_embeddings=16))

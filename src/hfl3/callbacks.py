@@ -1,12 +1,12 @@
 """Trainer callbacks shared by the recipes: loss plot, throughput and MFU (of the FLOPs per token that
-`configuration_l3gpt.flops_per_token` counts), samples; and `BeforeLogSaveEvaluate`, the point where hfl3's trainers
-run their own checks."""
+`configuration_l3gpt.flops_per_token` counts), samples. Where hfl3's trainers read their own step values is
+`hfl3.trainers.metrics.BeforeLogSaveEvaluate`."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -14,29 +14,6 @@ from transformers import TrainerCallback
 from hfl3.atomic import atomic_path
 
 logger = logging.getLogger(__name__)
-
-
-class BeforeLogSaveEvaluate(TrainerCallback):
-    """Calls `hook(control)` on every process where the Trainer is about to log, evaluate, save or stop: at the end
-    of an optimizer step or of an epoch whose `control` asks for one of them (the flags that `DefaultFlowCallback`,
-    first in every Trainer's list, has just set; the Trainer acts on them right after the callbacks). The Trainer
-    synchronises with the device there anyway (it reads the loss to log it), so a hook may read device values or
-    gather across processes (every process reaches the same points); a hook that raises stops training before
-    anything of that step is logged or saved. `at_train_begin()`, when given, runs at the start of every
-    `train()`."""
-
-    def __init__(self, hook: Callable, at_train_begin: Callable | None = None):
-        self.hook, self.at_train_begin = hook, at_train_begin
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if self.at_train_begin is not None:
-            self.at_train_begin()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if control.should_log or control.should_evaluate or control.should_save or control.should_training_stop:
-            self.hook(control)
-
-    on_epoch_end = on_step_end
 
 
 def save_loss_plot(log_history: Sequence[dict], path: str | os.PathLike, metrics: Sequence[str] = ("loss", "eval_loss")) -> Path:

@@ -3,7 +3,7 @@ as one line, `PROG: error: <message>`, and exit status 2 (argparse's convention 
 (`hfl3.trainers.exits.recipe_exits`); any other exception keeps its traceback, since it is hfl3's bug or the
 environment's.
 
-Raised where the input is first read: arguments while parsing (`hfl3.trainers.arguments`), data before the model is
+Raised where the input is first read: arguments when checked (`hfl3.trainers.arguments`), data before the model is
 built (`hfl3.data`), a model folder before its weights load, a run the compute-optimal dial cannot size
 (`hfl3.trainers.compute_optimal.PlanError`). Each message names the file, record or argument and the fix.
 """

@@ -4,7 +4,8 @@
 
 On a 2-core CPU, starting the processes (torchrun, then importing torch/transformers/TRL in each rank) costs more
 than training the tiny models, so each launch runs a list of runs. A run is exactly what the command line would do:
-the recipe file's own `make_parser().parse_args_and_config(args)` and `main(...)`, with a fresh parser per run.
+the recipe file's own `make_parser().parse_args_and_config(args)` and `main(..., given=...)` (which checks them first),
+with a fresh parser per run.
 
 PLAN.json: `{"results_dir": DIR, "runs": [{"name": ..., "recipe": "pretrain" | "sft_lora" | "core", "args": [...],
 "continue_on_error": false, "as_script": false, "record_rows": false, "record_gradients": false}, ...]}` ("core":
@@ -118,8 +119,8 @@ def run(plan_path: str) -> None:
                 record["metrics"] = evaluate(["core", *entry["args"]])
             else:
                 recipe = load_recipe(entry["recipe"])
-                script_args, model_args, training_args, setup = recipe.make_parser().parse_args_and_config(
-                    entry["args"])
+                parser = recipe.make_parser()
+                script_args, training_args, model_args = parser.parse_args_and_config(entry["args"])
                 record["world_size"] = training_args.world_size
                 record["torch_world_size"] = dist.get_world_size() if dist.is_initialized() else 1
                 rows = results_dir / f"{entry['name']}.rank{rank}.rows.jsonl"
@@ -131,7 +132,8 @@ def run(plan_path: str) -> None:
                         recording.enter_context(recording_rows(rows))
                     if entry.get("record_gradients"):
                         recording.enter_context(recording_gradients(gradients))
-                    record["metrics"] = recipe.main(script_args, training_args, model_args, setup)
+                    record["metrics"] = recipe.main(script_args, training_args, model_args,
+                                                    parser.given_arguments(entry["args"]))
         except Exception as error:  # recorded for the test, which asserts on the message
             record["error"] = f"{type(error).__name__}: {error}"
             traceback.print_exc()

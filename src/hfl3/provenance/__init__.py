@@ -2,7 +2,7 @@
 
 The same facts go to three places: `metadata.json` beside the weights, the `__metadata__` header of the
 `.safetensors` files, and the model card (`README.md`) that a push uploads. Both recipes, the nanochat converters and
-the trainers' output folders (`hfl3.trainers.output_mixins`) use it. One module per concern:
+the trainers' output folders (`hfl3.trainers.run_folder`) use it. One module per concern:
 
 - `hashing`: `sha256_records` (`canonical_json`), `sha256_file`, `config_sha256` — what was trained on;
 - `versions`: `package_versions`, `git_commit`, `git_dirty` — the software that produced it;

@@ -1,28 +1,21 @@
 """A recipe's arguments: parsed (`RecipeParser`, `parse_recipe_args`: `--config FILE` then the command line, a bad
-argument in one line with exit status 2) and checked once, in one pass, before any heavy work. The checks return what
-they decide (`RunSetup`: the resolved output folder, whether and when the run evaluates); the recipe's builder applies
-it. They never change the arguments they check.
+argument in one line with exit status 2; parsing only parses) and checked once, in one pass, before any heavy work,
+by the first call of the recipe's `main` (`hfl3.trainers.setup.set_up_pretraining`, `set_up_sft`). The checks return
+what they decide (`RunSetup`: the resolved output folder, whether and when the run evaluates); the recipe's builder
+applies it. They never change the arguments they check. Every function here takes a recipe's arguments in the
+parser's order: (script, training, model), TRL's.
 
 Which check lives where, and why:
-- here, run by the parser on every rank (`check_pretrain_inputs`, `check_sft_inputs`): every path and name given
+- here, run on every rank by `set_up_*` (`check_pretrain_inputs`, `check_sft_inputs`): every path and name given
   (the output folder, the resume checkpoint, corpora, datasets, models, tokenizers, templates), combinations of
   arguments, and what a flag cannot do in this recipe;
 - in the argument classes' `__post_init__` (`check_training_arguments` and the classes' own): values that need no
   other argument, so that a `PretrainConfig` or `ChatSFTConfig` built in Python is refused the same way;
-- first in the recipe's `main` (`hfl3.trainers.launch.check_launch`): the launch as accelerate set it up, which needs
-  the process group;
+- first in `set_up_*` (`hfl3.trainers.launch.check_launch`): the launch as accelerate set it up, which needs the
+  process group;
 - when the Trainer exists (`hfl3.optim.refuse_unsupported_sharding`, `hfl3.fp8.check_ao_backend`): what Muon or
   accelerate's FP8 backend cannot run under, read from accelerate's state and the model.
-
-How a value is read:
-- a value that exists on disk is local: a file or a folder, which must hold what the argument needs (a model folder
-  its `config.json`, a tokenizer folder its `tokenizer.json` or `tokenizer_config.json`);
-- a value that does not exist is a Hub id only when huggingface_hub accepts it as one (`name` or `namespace/name`,
-  `validate_repo_id`). `/nope`, `./model`, `~/model` or `a/b/c` are local paths that do not exist and are reported
-  as such, never sent to the Hub (transformers would answer "Repo id must use alphanumeric chars" for them);
-- a Hub id is looked up in the local Hugging Face cache when offline (`HF_HUB_OFFLINE=1`), else on the Hub with a
-  `HUB_TIMEOUT_S` timeout and no retry: a mistyped name fails in about a second instead of after the loaders'
-  retries (transformers 5.23 waits ~50 s before it reports an unreachable Hub).
+How a value typed into a recipe is read and checked (a file, a folder, a Hub id): `hfl3.trainers.inputs`.
 """
 
 from __future__ import annotations
@@ -30,54 +23,44 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import glob
 import hashlib
 import json
 import logging
-import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-import huggingface_hub
-from huggingface_hub import constants
-from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
-from huggingface_hub.file_download import repo_folder_name
 from transformers.trainer_utils import IntervalStrategy
 from trl import TrlParser
 
-from hfl3.data.sft_sources import BUILDERS, check_jsonl_file, dataset_splits
-from hfl3.data.sources import LOCAL_SUFFIXES, file_format
-from hfl3.distributed import check_same_on_all_ranks, on_all_ranks, rank
+from hfl3.data.sft_sources import check_jsonl_file
+from hfl3.errors import InputError
 from hfl3.evaluate import check_core_bundle
 from hfl3.evaluate.chat_callback import check_chatcore_setup
 from hfl3.provenance.hub import is_hub_id
 from hfl3.provenance.portable import REDACTED, is_secret, redact
 from hfl3.trainers.flags import OPTIMIZER_BOUNDS, check_model_flags, refuse_flags, with_choices
-from hfl3.trainers.outputs import OutputFolder, base_model_hub_id, prepare_output_dir, safetensors_problem
+from hfl3.trainers.inputs import (MODEL, MODEL_FILES, TOKENIZER, TOKENIZER_FILES, check_corpus, check_file,
+                                 check_hub_repo, check_model_folder, check_pretrained, check_sft_dataset,
+                                 check_tokenizer_folder)
+from hfl3.trainers.outputs import OutputFolder, base_model_hub_id, prepare_output_dir
 from hfl3.trainers.base_model import check_quantization_arguments
 from hfl3.trainers.sft_inheritance import decide_from_base
 
 logger = logging.getLogger(__name__)
 
-HUB_TIMEOUT_S = 10.0
-"""Seconds one Hub lookup may take before the Hub counts as unreachable."""
-MODEL = "a model folder (config.json and weights, as save_pretrained writes them) or a Hub model id"
-TOKENIZER = "a tokenizer folder (tokenizer.json or tokenizer_config.json, as save_pretrained writes them) or a Hub id"
-CORPUS = ("stdlib, a text/.jsonl/.json/.parquet file, a folder or glob of them, or a datasets name (Hub id or "
-          "folder)")
-SFT_DATASET = ("a datasets name: a Hub dataset id, a local folder of data files, or a "
-               f"{'/'.join(BUILDERS)} file")
-MODEL_FILES = ("config.json",)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
 PER_MACHINE_ARGUMENTS = frozenset({"output_dir", "logging_dir", "local_rank", "resume_from_checkpoint"})
 """Arguments that may differ between machines: where each writes (only machine 0 keeps outputs), and the checkpoint,
 which global rank 0 resolves for all (`hfl3.trainers.outputs.prepare_output_dir`)."""
+
+
+class ArgumentsError(InputError):
+    """An argument a recipe's checks refused (a path that does not exist, a combination that cannot act:
+    `hfl3.trainers.setup`): one line naming the argument, the value and what was expected, which the recipe shows
+    under argparse's usage line with exit status 2, as for an argument argparse refuses (`recipe_exits`)."""
 
 
 @dataclass(frozen=True)
@@ -95,8 +78,8 @@ class Evaluation:
 
 @dataclass(frozen=True)
 class RunSetup:
-    """What the checks of a recipe's arguments decided, carried into its builder (`RecipeParser` returns it after
-    the parsed dataclasses).
+    """What the checks of a recipe's arguments decided, carried into its builder (`hfl3.trainers.setup`'s
+    `set_up_pretraining` and `set_up_sft` return it).
 
     Attributes:
         output: where the run writes (`hfl3.trainers.outputs.prepare_output_dir`); None for a dry run.
@@ -113,28 +96,25 @@ class RunSetup:
 
 
 class RecipeParser(TrlParser):
-    """`TrlParser` that runs `check(*parsed)` on the dataclasses it parsed (in the parser's order), inside
-    `parse_args_and_config`, and returns the dataclasses followed by the `RunSetup` the check returns: what `check`
-    raises is an argument error for `parse_recipe_args`.
+    """TRL's `TrlParser` (`--config FILE`, then the command line) over a recipe's argument classes, in TRL's order
+    (script, training, model): `parse_args_and_config` returns the parsed dataclasses and nothing else; it reads no
+    file but the `--config` one, and needs no process group and no Hub (checking the values is the first thing the
+    recipe's `main` does, `hfl3.trainers.setup`).
 
-    In a launch of several processes every rank parses and checks; before the check, the arguments must be the same
-    on every rank (but `PER_MACHINE_ARGUMENTS`), and a check that fails on one machine (a file it lacks) fails on
-    every rank with the same line naming that machine (`hfl3.distributed.on_all_ranks`), so that no rank is left
-    waiting for the others. Collectives inside `check` must be such agreeing ones too."""
+    `--config FILE` is documented in `--help`, first among the options, and the usage line is short:
+    `usage: PROG [--config FILE] [options] (--help lists them)` (argparse's would list every option, hundreds of
+    lines, also above each error message). `TrlParser.parse_args_and_config` takes `--config` out of the arguments
+    itself before argparse sees them, so the argument only shows in the help (`default=SUPPRESS`: it never reaches
+    the parsed dataclasses). The recipe's dataclasses carry `_argument_group_name`, so each is its own group of
+    options listed after this one, in the parser's order."""
 
-    def __init__(self, dataclass_types: Sequence[type], check: Callable[..., RunSetup]):
+    def __init__(self, dataclass_types: Sequence[type]):
         super().__init__(dataclass_types)
-        self.check = check
-
-    def parse_args_and_config(self, args: Iterable[str] | None = None, **kwargs) -> tuple:
-        args = list(args) if args is not None else sys.argv[1:]
-        given = self.given_arguments(args)
-        parsed = super().parse_args_and_config(args, **kwargs)
-        values = parsed[: len(self.dataclass_types)]
-        check_same_on_all_ranks(launch_arguments(values), "the arguments", "start every machine with the same "
-                                "command line (only accelerate's --machine_rank differs)")
-        setup = on_all_ranks(lambda: self.check(*values, given=given))[rank()]
-        return (*values, setup, *parsed[len(self.dataclass_types):])
+        self.usage = "%(prog)s [--config FILE] [options] (--help lists them)"
+        self.add_argument(
+            "--config", metavar="FILE", default=argparse.SUPPRESS,
+            help="YAML file of option values (recipes/configs/*.yaml); options given on the command line override it",
+        )
 
     def given_arguments(self, args: Sequence[str]) -> frozenset[str]:
         """The fields `args` set explicitly: keys of the `--config` YAML file and options on the command line
@@ -187,41 +167,24 @@ def parsed_secrets(*parsed) -> list[str]:
             if is_secret(field.name) and isinstance(getattr(values, field.name), str)]
 
 
-def add_config_argument(parser):
-    """Document `--config FILE` in the recipe's `--help`, first among the options, and shorten the usage line to
-    `usage: PROG [--config FILE] [options] (--help lists them)` (argparse's would list every option, hundreds of lines,
-    also above each error message). `TrlParser.parse_args_and_config` takes `--config` out of the arguments itself
-    before argparse sees them, so the argument only shows in the help (`default=SUPPRESS`: it never reaches the
-    parsed dataclasses). The recipe's dataclasses carry `_argument_group_name`, so each is its own group of options
-    listed after this one, in the parser's order.
-
-    Returns:
-        `parser`.
-    """
-    parser.usage = "%(prog)s [--config FILE] [options] (--help lists them)"
-    parser.add_argument(
-        "--config", metavar="FILE", default=argparse.SUPPRESS,
-        help="YAML file of option values (recipes/configs/*.yaml); options given on the command line override it",
-    )
-    return parser
-
-
 def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
     """`parser.parse_args_and_config(args)` (a TRL `TrlParser`: `--config FILE`, then command-line overrides), where
     a bad argument stops the program with one message instead of a traceback: the usage line (short, from
-    `add_config_argument`), then `PROG: error: <what is wrong>`, exit status 2 (argparse's convention).
+    `RecipeParser`), then `PROG: error: <what is wrong>`, exit status 2 (argparse's convention).
 
     Bad arguments: those argparse rejects (an invalid value, a missing one), flags no argument class declares, a
     `--config` file that cannot be read or is not a YAML mapping, and values an argument class rejects in its
     `__post_init__` (`ValueError`/`TypeError`, e.g. `--eval_strategy bogus`). The message never shows a credential:
-    the values given to fields that hold one (`--hub_token`) and any `hf_...` token are `<redacted>`.
+    the values given to fields that hold one (`--hub_token`) and any `hf_...` token are `<redacted>`. What the
+    recipe's checks refuse later (`hfl3.trainers.setup.ArgumentsError`) ends the same way, through
+    `hfl3.trainers.exits.recipe_exits`.
 
     Args:
-        parser: the recipe's `TrlParser`, through `add_config_argument`.
+        parser: the recipe's `RecipeParser`.
         args: the arguments (default: `sys.argv[1:]`).
 
     Returns:
-        The parsed dataclasses and the `RunSetup`, as `RecipeParser.parse_args_and_config` returns them.
+        The parsed dataclasses, in the parser's order (script, training, model).
     """
     args = list(args) if args is not None else sys.argv[1:]
     try:
@@ -232,8 +195,7 @@ def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
 
 def check_training_arguments(args) -> None:
     """Refuse arguments that would train nothing or the wrong way, before any data work (call it from a
-    `TrainingArguments` subclass's `__post_init__`, so that `parse_recipe_args` shows it as an
-    argument error).
+    `TrainingArguments` subclass's `__post_init__`, so that `parse_recipe_args` shows it as an argument error).
 
     Raises:
         ValueError: a value of `OPTIMIZER_BOUNDS` outside its range (`learning_rate <= 0`, a negative `--matrix_lr`,
@@ -254,225 +216,10 @@ def check_training_arguments(args) -> None:
                          "positive --num_train_epochs or --max_steps")
 
 
-def _error(argument: str, value, problem: str, expected: str) -> ValueError:
-    return ValueError(f"--{argument} {value}: {problem}; expected {expected}")
-
-
-def check_file(argument: str, value: str, expected: str, suffixes: Sequence[str] = ()) -> Path:
-    """`value` must be an existing file (with one of `suffixes`, when given). Returns it as a `Path`.
-
-    Raises:
-        ValueError: `--ARGUMENT VALUE: no such file; expected EXPECTED` (or `is a folder`, `not a .X file`).
-    """
-    path = Path(value)
-    if path.is_dir():
-        raise _error(argument, value, "is a folder", expected)
-    if not path.is_file():
-        raise _error(argument, value, "no such file", expected)
-    if suffixes and path.suffix not in suffixes:
-        raise _error(argument, value, f"not a {' or '.join(suffixes)} file", expected)
-    return path
-
-
-def check_folder(argument: str, value: str, expected: str, contains: Sequence[str] = ()) -> Path:
-    """`value` must be an existing folder that holds at least one of `contains` (when given). Returns it as a `Path`.
-
-    Raises:
-        ValueError: `--ARGUMENT VALUE: no such folder; expected EXPECTED` (or `is a file`, `the folder holds no X`).
-    """
-    path = Path(value)
-    if path.is_file():
-        raise _error(argument, value, "is a file", expected)
-    if not path.is_dir():
-        raise _error(argument, value, "no such folder", expected)
-    if contains and not any((path / name).exists() for name in contains):
-        raise _error(argument, value, f"the folder holds no {' or '.join(contains)}", expected)
-    return path
-
-
-def check_pretrained(argument: str, value: str, expected: str, files: Sequence[str], revision: str | None = None
-                     ) -> None:
-    """`value` is an existing local folder holding one of `files`, or a Hub model id (`check_hub_repo`).
-
-    Raises:
-        ValueError: one line naming the argument, the value and `expected`.
-    """
-    if Path(value).exists() or not is_hub_id(value):
-        check_folder(argument, value, expected, files)
-    else:
-        check_hub_repo(argument, value, expected, files, revision)
-
-
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-"""The weights `from_pretrained` looks for in a model folder, in its order."""
-SAVE_AGAIN = "restore it from where the folder came from, or save the folder again with save_pretrained"
-
-
-def read_json(argument: str, value: str, path: Path):
-    """The JSON in `path`, a file of the folder `value` given as `--ARGUMENT`. Raises `ValueError`: `--ARGUMENT
-    VALUE: NAME is not valid JSON (where); restore it ...`."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as error:  # json.JSONDecodeError and UnicodeDecodeError
-        raise ValueError(f"--{argument} {value}: {path.name} is not valid JSON ({error}); {SAVE_AGAIN}") from None
-
-
-def check_model_folder(argument: str, value: str) -> None:
-    """A local model folder holds what `from_pretrained` reads: a `config.json` that is JSON, and whole weights (the
-    first of `WEIGHTS`, or the shards its index names): a `.safetensors` file's header and size
-    (`hfl3.trainers.outputs.safetensors_problem`; no tensor is read), a `.bin` file not empty. Raises `ValueError`:
-    one line naming the argument, the folder, the file and the fix."""
-    folder = Path(value)
-    read_json(argument, value, folder / "config.json")
-    found = next((name for name in WEIGHTS if (folder / name).is_file()), None)
-    if found is None:
-        raise _error(argument, value, f"the folder holds no weights ({', '.join(WEIGHTS)})", MODEL)
-    files = sorted(set(read_json(argument, value, folder / found).get("weight_map", {}).values())) \
-        if found.endswith(".index.json") else [found]
-    for name in files:
-        path = folder / name
-        problem = f"missing (named by {found})" if not path.is_file() else "empty" if not path.stat().st_size \
-            else safetensors_problem(path) if path.suffix == ".safetensors" else None
-        if problem:
-            raise ValueError(f"--{argument} {value}: {name} {problem}; {SAVE_AGAIN}")
-
-
-def check_tokenizer_folder(argument: str, value: str, chat_template: bool = False) -> None:
-    """A local tokenizer folder (`--tokenizer_name_or_path`, or a model folder holding its tokenizer) holds
-    `TOKENIZER_FILES`: `tokenizer_config.json` JSON, `tokenizer.json` closed (its tail: a full parse takes a second)
-    and, with `chat_template`, a template (`chat_template.jinja`, or in a JSON file), which hfl3's masks render every
-    record with. Raises `ValueError`: one line naming the argument, the folder, the file and the fix."""
-    folder = Path(value)
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):  # a model folder's (check_pretrained: others)
-        raise ValueError(f"--{argument} {value}: the folder holds no tokenizer ({' or '.join(TOKENIZER_FILES)}); pass "
-                         "--tokenizer_name_or_path, or save the tokenizer into the folder (tokenizer.save_pretrained)")
-    if (folder / "tokenizer.json").is_file():
-        with open(folder / "tokenizer.json", "rb") as handle:
-            handle.seek(max(0, handle.seek(0, os.SEEK_END) - 64))
-            if not handle.read().rstrip().endswith(b"}"):
-                raise ValueError(f"--{argument} {value}: tokenizer.json is cut short (its JSON object is not closed); "
-                                 f"{SAVE_AGAIN}")
-    configs = [read_json(argument, value, folder / name) for name in ("tokenizer_config.json", "chat_template.json")
-               if (folder / name).is_file()]
-    if chat_template and not ((folder / "chat_template.jinja").is_file() or any(
-            isinstance(config, dict) and config.get("chat_template") for config in configs)):
-        raise ValueError(f"--{argument} {value}: the tokenizer has no chat template, which hfl3 renders every record "
-                         "with to mask it (hfl3.data.masks); pass --chat_template_path FILE.jinja, or a tokenizer "
-                         "with one")
-
-
-def in_cache(repo_id: str, files: Sequence[str] = (), revision: str | None = None, repo_type: str = "model") -> bool:
-    """Whether the local Hugging Face cache holds one of `files` of the Hub repository (any file when `files` is
-    empty); a dataset also counts when `datasets` has prepared it in its own cache."""
-    if files:
-        return any(isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name, revision=revision,
-                                                                     repo_type=repo_type), str) for name in files)
-    folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type=repo_type)
-    if any((folder / "snapshots").glob("*/*")):
-        return True
-    if repo_type == "dataset":
-        import datasets
-
-        return (Path(datasets.config.HF_DATASETS_CACHE) / repo_id.replace("/", "___")).is_dir()
-    return False
-
-
-def check_hub_repo(argument: str, repo_id: str, expected: str, files: Sequence[str] = (), revision: str | None = None,
-                   repo_type: str = "model") -> None:
-    """The Hub repository `repo_id` (a model or a dataset) exists: offline, `in_cache`; online, its `*_info` answers
-    within `HUB_TIMEOUT_S`. A gated repository counts as existing (its loader explains how to get access); when the
-    Hub answers with another HTTP error, or cannot be reached but the cache holds the repository, a warning is
-    logged and the loader decides.
-
-    Raises:
-        ValueError: not in the cache (offline); no such repository or revision on the Hub; the Hub unreachable and
-            nothing cached.
-    """
-    kind = "dataset" if repo_type == "dataset" else "model"
-    if constants.is_offline_mode():
-        if not in_cache(repo_id, files, revision, repo_type):
-            raise _error(argument, repo_id, f"no such file or folder, and HF_HUB_OFFLINE=1 with no copy of the Hub "
-                                            f"{kind} {repo_id} in the local cache", expected)
-        return
-    api = huggingface_hub.HfApi()
-    info = api.dataset_info if repo_type == "dataset" else api.model_info
-    try:
-        info(repo_id, revision=revision, timeout=HUB_TIMEOUT_S)
-    except GatedRepoError:
-        return
-    except RevisionNotFoundError:
-        raise _error(argument, repo_id, f"the Hub {kind} has no revision {revision!r}", expected) from None
-    except RepositoryNotFoundError:
-        raise _error(argument, repo_id, f"no such file or folder, and no {kind} {repo_id} on the Hub (a private "
-                                        "one needs `hf auth login`)", expected) from None
-    except HfHubHTTPError as error:
-        logger.warning("--%s %s: the Hub answered %s; the loader will retry", argument, repo_id, error)
-    except Exception as error:  # huggingface_hub raises its HTTP client's own errors for a refused or slow connection
-        if not in_cache(repo_id, files, revision, repo_type):
-            raise _error(argument, repo_id, f"no such file or folder, and the Hub could not be reached within "
-                                            f"{HUB_TIMEOUT_S:g} s to look it up ({type(error).__name__}; with "
-                                            "HF_HUB_OFFLINE=1 only the local cache is searched)", expected) from None
-        logger.warning("--%s %s: the Hub could not be reached (%s); the cached copy is used (HF_HUB_OFFLINE=1 skips "
-                       "the network)", argument, repo_id, type(error).__name__)
-
-
-def check_corpus(argument: str, spec: str) -> None:
-    """Each comma-separated entry of a pretraining `--dataset` spec (`hfl3.data.sources.open_corpus`) exists:
-    `stdlib`, an existing file or folder, a glob matching a file, or a Hub dataset (`check_hub_repo`). What the
-    files hold is checked when the corpus is opened.
-
-    Raises:
-        ValueError: naming the entry (and the spec when it has several): no such file or folder, a glob matching
-            nothing, or no such Hub dataset.
-    """
-    entries = [part.strip() for part in spec.split(",") if part.strip()]
-    for entry in entries:
-        value = entry if len(entries) == 1 else f"{spec} (entry {entry})"
-        if entry == "stdlib" or Path(entry).expanduser().exists():
-            continue
-        if glob.has_magic(entry):
-            if not any(Path(p).is_file() for p in glob.iglob(str(Path(entry).expanduser()), recursive=True)):
-                raise _error(argument, value, "the pattern matches no file", CORPUS)
-        elif is_hub_id(entry) and file_format(Path(entry))[0] not in LOCAL_SUFFIXES:
-            check_hub_repo(argument, entry, CORPUS, repo_type="dataset")
-        else:
-            raise _error(argument, value, "no such file or folder", CORPUS)
-
-
-def check_sft_dataset(name: str, config: str | None = None, splits: dict[str, str] | None = None) -> None:
-    """`--dataset_name NAME` of the SFT recipe exists: a local data file (`hfl3.data.sft_sources.BUILDERS`
-    suffixes), a local folder holding such files, or a Hub dataset (`check_hub_repo`); and has `splits` (argument →
-    split name, e.g. `{"dataset_train_split": "train"}`) with `--dataset_config CONFIG`, as its `datasets` builder
-    lists them before any data is read.
-
-    Raises:
-        ValueError: one line naming the argument, the value and what was expected (or the splits the dataset has).
-    """
-    path = Path(name)
-    if path.is_file() and path.suffix not in BUILDERS:
-        raise _error("dataset_name", name, f"not a {'/'.join(BUILDERS)} file", SFT_DATASET)
-    if path.is_dir() and not any(p.suffix in BUILDERS for p in path.rglob("*") if p.is_file()):
-        raise _error("dataset_name", name, f"the folder holds no {'/'.join(BUILDERS)} file", SFT_DATASET)
-    if not path.exists():
-        if not is_hub_id(name) or name.endswith(tuple(BUILDERS)):
-            raise _error("dataset_name", name, "no such file or folder", SFT_DATASET)
-        check_hub_repo("dataset_name", name, SFT_DATASET, repo_type="dataset")
-    try:
-        available = dataset_splits(name, config)
-    except Exception as error:  # noqa: BLE001 (datasets' errors for a config it lacks, or files it cannot read)
-        argument, value = ("dataset_config", config) if config and "config" in str(error).lower() else \
-            ("dataset_name", name)
-        raise ValueError(f"--{argument} {value}: datasets cannot open it: {str(error).splitlines()[0]}") from None
-    for argument, split in (splits or {}).items():
-        if available is not None and split not in available:
-            raise ValueError(f"--{argument} {split}: --dataset_name {name} has no such split; it has "
-                             f"{', '.join(sorted(available))}")
-
-
-def check_pretrain_inputs(script_args, model_args, training_args, given: frozenset[str] = frozenset()) -> RunSetup:
-    """`recipes/pretrain.py`'s arguments, run by its parser: the output folder, resume checkpoint and push
-    (`prepare_output_dir`), the corpora, the CORE bundle and the tokenizer. A dry run reads no data and leaves the
-    output folder alone: only its tokenizer is checked.
+def check_pretrain_inputs(script_args, training_args, model_args, given: frozenset[str] = frozenset()) -> RunSetup:
+    """`recipes/pretrain.py`'s arguments, checked by `set_up_pretraining` on every rank: the output folder, resume
+    checkpoint and push (`prepare_output_dir`), the corpora, the CORE bundle and the tokenizer. A dry run reads no
+    data and leaves the output folder alone: only its tokenizer is checked.
 
     Returns:
         The `RunSetup`: the output folder (None for a dry run) and the evaluation (`decide_evaluation`; the
@@ -481,7 +228,7 @@ def check_pretrain_inputs(script_args, model_args, training_args, given: frozens
     Raises:
         ValueError, OSError: one line naming the argument, the value and what was expected.
     """
-    refuse_flags("pretrain", given, script_args, model_args, training_args)
+    refuse_flags("pretrain", given, script_args, training_args, model_args)
     output = None
     if not script_args.dry_run:
         output = prepare_output_dir(training_args)
@@ -540,9 +287,9 @@ def apply_evaluation(training_args, evaluation: Evaluation) -> None:
         training_args.load_best_model_at_end = False
 
 
-def check_sft_inputs(script_args, model_args, training_args, given: frozenset[str] = frozenset()) -> RunSetup:
-    """`recipes/sft_lora.py`'s arguments, run by its parser: the flags that cannot act (`refuse_flags`),
-    `prepare_output_dir` (output folder, resume checkpoint, a push's `--hub_model_id` and network),
+def check_sft_inputs(script_args, training_args, model_args, given: frozenset[str] = frozenset()) -> RunSetup:
+    """`recipes/sft_lora.py`'s arguments, checked by `set_up_sft` on every rank: the flags that cannot act
+    (`refuse_flags`), `prepare_output_dir` (output folder, resume checkpoint, a push's `--hub_model_id` and network),
     `check_sft_arguments`, the model and tokenizer (`check_sft_model`), then every other path and name given; a push
     needs a Hub id for the base model (`base_model_hub_id`).
 
@@ -552,7 +299,7 @@ def check_sft_inputs(script_args, model_args, training_args, given: frozenset[st
     Raises:
         ValueError, OSError: one line naming the argument, the value and what was expected.
     """
-    refuse_flags("sft_lora", given, script_args, model_args, training_args)
+    refuse_flags("sft_lora", given, script_args, training_args, model_args)
     output = prepare_output_dir(training_args)
     has_eval_data = check_sft_arguments(script_args, training_args, model_args)
     evaluation = decide_evaluation(training_args, has_eval_data, resuming=bool(output.resume_checkpoint))

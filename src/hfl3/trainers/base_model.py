@@ -1,5 +1,5 @@
 """The base model of LoRA SFT, loaded as TRL's `trl sft` loads it, quantized by bitsandbytes for QLoRA: the checks
-of the quantization arguments (`check_quantization_arguments`, at parse time), the load (`load_base_model`), what a
+of the quantization arguments (`check_quantization_arguments`, before any work), the load (`load_base_model`), what a
 quantized base records (`quantization_metadata`) and the merge of an adapter into it (`merge_adapter`).
 
 What TRL 1.16 does, and so hfl3: `trl/scripts/sft.py` builds `from_pretrained`'s keyword arguments from `--dtype`,
@@ -78,7 +78,7 @@ def load_dtype(model_args, training_args) -> torch.dtype | str | None:
 
 
 def check_quantization_arguments(model_args, training_args) -> int | None:
-    """Refuse, at parse time, the quantization arguments that would fail late or train something else than asked.
+    """Refuse, before any work, the quantization arguments that would fail late or train something else than asked.
     Returns the bits the base will be quantized to (4 or 8), or None.
 
     Args:

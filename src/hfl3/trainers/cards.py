@@ -18,7 +18,7 @@ from hfl3.provenance import portable
 def usage_name(trainer, folder: str | os.PathLike | None = None) -> str:
     """The name a card's snippet loads the output by: `hub_model_id` when the run pushes, else the output folder (or
     `folder`) as a path relative to the working directory (`portable`). `trainer` is an
-    `hfl3.trainers.output_mixins.OutputFolderMixin` trainer."""
+    `hfl3.trainers.hooks.TrainerHooks` trainer."""
     if trainer.push_at_end:
         return trainer.args.hub_model_id
     return portable(str(Path(folder if folder is not None else trainer.final_output_dir)))

@@ -16,7 +16,7 @@ dense: nanochat's `build_model_meta(12)`, where its batch size and hyperparamete
 
 D is the ratio's horizon even when `max_steps` or `target_flops` sets the steps, as in nanochat: the auto batch and
 the weight decay depend on the model's size, not on the budget chosen. `compute_optimal_plan` computes all of it;
-`PretrainConfig.apply_compute_optimal_plan` puts it into the training arguments; the group learning rates
+`apply_plan` puts it into the training arguments; the group learning rates
 themselves (the √(B/B_ref) factor next to nanochat's (hidden_size/768)^-½) are `hfl3.optim.param_groups_by_kind`'s.
 """
 
@@ -91,8 +91,8 @@ def auto_total_batch_size(target_tokens: float, reference_tokens: float) -> int:
 
 class PlanError(InputError):
     """A run the dial cannot size (a batch that does not divide, a budget under one step, a contradicting
-    `--gradient_accumulation_steps`); the message names the numbers and the fix. Raised at parse time by the
-    arguments' own checks, or by `compute_optimal_plan` once the model is known: the recipes end with it in one line,
+    `--gradient_accumulation_steps`); the message names the numbers and the fix. Raised while the arguments are
+    parsed or checked, or by `compute_optimal_plan` once the model is known: the recipes end with it in one line,
     exit status 2 (`hfl3.trainers.exits`)."""
 
 
@@ -288,3 +288,29 @@ def compute_optimal_plan(config, reference_config, args, world_size: int | None 
         target_flops=args.target_flops, sized_by_dial=sized_by_dial, lr_scale=lr_scale,
         reference_weight_decay=args.weight_decay, weight_decay=weight_decay, learning_rates=learning_rates,
     )
+
+
+def apply_plan(training_args, plan: ComputeOptimalPlan) -> None:
+    """Size a run by `plan` (computed from these `PretrainConfig` arguments): `max_steps`,
+    `gradient_accumulation_steps`, `weight_decay` (λ, replacing λ_ref) and `batch_lr_scale` (which the trainer's
+    `create_optimizer` applies). Call it once, before the Trainer is built (the Trainer's accelerator reads the
+    accumulation); a DeepSpeed config given with `--deepspeed` has its "auto" values filled again, as the Trainer does
+    after a hyperparameter search.
+
+    Raises:
+        RuntimeError: when a plan was already applied to `training_args` (a second one would rescale λ again).
+    """
+    if getattr(training_args, "_compute_optimal_plan", None) is not None:
+        raise RuntimeError("apply_plan: a plan is already applied to these arguments")
+    training_args._compute_optimal_plan = plan
+    training_args.max_steps = plan.max_steps
+    training_args.gradient_accumulation_steps = plan.gradient_accumulation_steps
+    training_args.weight_decay = plan.weight_decay
+    training_args.batch_lr_scale = plan.lr_scale
+    if getattr(training_args, "hf_deepspeed_config", None) is not None:
+        from accelerate.utils import DeepSpeedPlugin
+        from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+        training_args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(training_args.deepspeed)
+        training_args.hf_deepspeed_config.trainer_config_process(training_args)
+        training_args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=training_args.hf_deepspeed_config)

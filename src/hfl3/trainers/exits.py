@@ -1,9 +1,11 @@
-"""How a recipe runs and ends: `run_recipe(parser, main)` parses the arguments, runs `main` and ends every rank through
-`hfl3.distributed.end_distributed_run`; when the run stops early, `recipe_exits` turns what stopped it into one line on
-stderr and an exit status instead of a traceback:
+"""How a recipe runs and ends: `run_recipe(parser, main)` parses the arguments, runs `main` (whose first call checks
+them, `hfl3.trainers.setup`) and ends every rank through `hfl3.distributed.end_distributed_run` (`run_main`: the same
+without ending the process); when the run stops early, `recipe_exits` turns what stopped it into one line on stderr and
+an exit status instead of a traceback:
 
 | what stopped the run | exit status | the line |
 |---|---|---|
+| an argument the recipe's checks refused (`hfl3.trainers.arguments.ArgumentsError`) | 2 | argparse's usage line, then the error's own words |
 | bad input: `hfl3.errors.InputError` (data and chat records, a model folder, a plan), `LaunchError` | 2 | the error's own words |
 | a NaN/inf loss or gradient (`NonFiniteTrainingError`) | 1 | the step, the newest checkpoint, what to change |
 | Ctrl-C (`KeyboardInterrupt`) | 130 | what was saved and the command's flags that resume it |
@@ -17,18 +19,19 @@ nothing else is in it; its checkpoints stay.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from hfl3.distributed import end_distributed_run, lost_peer_message
 from hfl3.errors import InputError
 from hfl3.provenance.portable import redact
-from hfl3.trainers.arguments import parse_recipe_args, parsed_secrets
-from hfl3.trainers.guards import NonFiniteTrainingError
+from hfl3.trainers.arguments import ArgumentsError, parse_recipe_args, parsed_secrets
+from hfl3.trainers.metrics import NonFiniteTrainingError
 from hfl3.trainers.launch import LOG_FORMAT, LaunchError
 from hfl3.trainers.outputs import STAGING, OutputFolder, latest_checkpoint
 from hfl3.trainers.recipe_log import recipe_log
@@ -45,6 +48,16 @@ class RecipeEnding:
 
     output: OutputFolder | None = None
     secrets: tuple[str, ...] = ()
+
+
+_ENDING: contextvars.ContextVar[RecipeEnding | None] = contextvars.ContextVar("hfl3_recipe_ending", default=None)
+
+
+def record_output(output: OutputFolder | None) -> None:
+    """Tell the `recipe_exits` block this runs in (if any) the run's output folder, once the checks resolved it
+    (`hfl3.trainers.setup`): a failure or Ctrl-C from then on discards its staging area and says what was saved."""
+    if (ending := _ENDING.get()) is not None:
+        ending.output = output
 
 
 def _say(prog: str | None, message: str, secrets=()) -> None:
@@ -81,14 +94,22 @@ def discard_staging(output: OutputFolder | None) -> None:
 
 
 @contextlib.contextmanager
-def recipe_exits(prog: str | None = None) -> Iterator[RecipeEnding]:
-    """`with recipe_exits() as ending:` around a recipe's parsing and `main`; set `ending.output` once the output
-    folder is known. Ends the program as the module docstring's table says when the block raises. Every rank prints
-    its message (the same on each): the launcher stops the others as soon as one exits, so a message left to rank 0
-    alone could be cut off."""
+def recipe_exits(prog: str | None = None, usage: str | None = None) -> Iterator[RecipeEnding]:
+    """`with recipe_exits() as ending:` around a recipe's parsing and `main`; `ending.output` is set once the output
+    folder is known (`record_output`). Ends the program as the module docstring's table says when the block raises;
+    `usage` (the parser's `format_usage()`) is printed above an `ArgumentsError`'s line, as argparse does. Every rank
+    prints its message (the same on each): the launcher stops the others as soon as one exits, so a message left to
+    rank 0 alone could be cut off."""
     ending = RecipeEnding()
+    token = _ENDING.set(ending)
     try:
         yield ending
+    except ArgumentsError as error:
+        discard_staging(ending.output)
+        if usage:
+            sys.stderr.write(usage)
+        _say(prog, str(error), ending.secrets)
+        sys.exit(2)
     except INPUT_ERRORS as error:
         discard_staging(ending.output)
         _say(prog, str(error), ending.secrets)
@@ -111,18 +132,27 @@ def recipe_exits(prog: str | None = None) -> Iterator[RecipeEnding]:
     except BaseException:
         discard_staging(ending.output)
         raise
+    finally:
+        _ENDING.reset(token)
 
 
-def run_recipe(parser, main: Callable[..., object], args: list[str] | None = None) -> None:
-    """A recipe's `__main__`: log lines in `LOG_FORMAT`, parse (`parse_recipe_args` over the script, model and
-    training argument classes, in that order), `main(script_args, training_args, model_args, setup)` (TRL's order,
-    and the `RunSetup`), then end every rank through `end_distributed_run` (exit status 0); inside `recipe_exits`,
-    and `recipe_log` (no credential in the log, another library's repeated warnings once, with their counts)."""
+def run_recipe(parser, main: Callable[..., object], args: Sequence[str] | None = None) -> None:
+    """A recipe's `__main__`: log lines in `LOG_FORMAT`, `run_main`, then end every rank through
+    `end_distributed_run` (exit status 0)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    with recipe_exits() as ending, recipe_log() as log:
-        script_args, model_args, training_args, setup = parse_recipe_args(parser, args)
-        ending.output, ending.secrets = setup.output, tuple(parsed_secrets(script_args, model_args, training_args))
-        log.secrets = ending.secrets
-        main(script_args, training_args, model_args, setup)
+    run_main(parser, main, args)
     end_distributed_run()  # every rank: the others done, the process group destroyed, outputs flushed, exit 0
+
+
+def run_main(parser, main: Callable[..., object], args: Sequence[str] | None = None):
+    """Parse (`parse_recipe_args`: the parser's argument classes, in its order: script, training, model), then
+    `main(script_args, training_args, model_args, given=...)` (`given`: the fields the user set, for the checks that
+    `main` runs first); inside `recipe_exits` and `recipe_log` (no credential in the log, another library's repeated
+    warnings once, with their counts). Returns what `main` returns; the process goes on (tests, benchmarks)."""
+    args = list(args) if args is not None else sys.argv[1:]
+    with recipe_exits(parser.prog, parser.format_usage()) as ending, recipe_log() as log:
+        parsed = parse_recipe_args(parser, args)
+        ending.secrets = tuple(parsed_secrets(*parsed))
+        log.secrets = ending.secrets
+        return main(*parsed, given=parser.given_arguments(args))

@@ -1,5 +1,5 @@
 """Every field of both recipes' argument classes, accounted for: each is honoured with TRL's or transformers' meaning
-(`HONOURED`: where and how), refused in one line with exit status 2 while the arguments are parsed, before any model
+(`HONOURED`: where and how), refused in one line with exit status 2 when the arguments are checked, before any model
 or data is loaded (`REFUSED`: why), or not applicable here (`NOT_APPLICABLE`: why), per recipe (`recipes/pretrain.py`
 is "pretrain", `recipes/sft_lora.py` "sft_lora"). The fields are those of the recipes' argument classes as installed,
 inherited ones included (every field of transformers' `TrainingArguments`, TRL's `SFTConfig` and `ModelConfig`);
@@ -136,7 +136,7 @@ TRAINER_HONOURED = {
     "max_steps": "the Trainer's (pretraining: the first rule of the compute-optimal plan)",
     "learning_rate": "the Trainer's optimizer; with --optim muon the *_lr group LRs replace it (a warning says so)",
     "lr_scheduler_type": "the Trainer's schedule; warmup_stable_decay with --warmdown_ratio, --final_lr_frac",
-    "lr_scheduler_kwargs": "the Trainer's schedule, over warmup_stable_decay's values (OptimizerMixin)",
+    "lr_scheduler_kwargs": "the Trainer's schedule, over warmup_stable_decay's values (TrainerHooks.create_scheduler)",
     "warmup_steps": "the Trainer's schedule",
     "optim": "the Trainer's optimizer, or muon: MuonAdamW (hfl3.trainers.optimizers)",
     "optim_args": "the Trainer's optimizer",
@@ -147,7 +147,7 @@ TRAINER_HONOURED = {
     "adam_epsilon": "AdamW: the Trainer's, or MuonAdamW's AdamW groups",
     "gradient_accumulation_steps": "the Trainer's (pretraining: checked against --total_batch_size)",
     "average_tokens_across_devices": "the Trainer's loss normalisation (ChatSFTTrainer.compute_loss too)",
-    "max_grad_norm": "the Trainer's clipping; NonFiniteGuard reads the norm before it",
+    "max_grad_norm": "the Trainer's clipping; the NaN/inf guard (NonFiniteFlags) reads the norm before it",
     "label_smoothing_factor": "the Trainer's label smoother (SFT: TRL's loss path instead of hfl3's compact one)",
     "bf16": "accelerate's mixed precision",
     "fp16": "accelerate's mixed precision",
@@ -190,7 +190,7 @@ TRAINER_HONOURED = {
     "save_steps": "the Trainer's (given alone, --save_strategy steps)",
     "save_on_each_node": "the Trainer's; refused across machines (check_machines)",
     "save_total_limit": "the Trainer's rotation of the committed checkpoints",
-    "push_to_hub": "the committed folder uploaded once at the end (OutputFolderMixin.push_output)",
+    "push_to_hub": "the committed folder uploaded once at the end (TrainerHooks.push_output)",
     "hub_token": "push_output",
     "hub_private_repo": "push_output",
     "hub_model_id": "push_output; also the Hub id a later SFT names as its base (metadata.json)",
@@ -201,7 +201,7 @@ TRAINER_HONOURED = {
     "restore_callback_states_from_checkpoint": "the Trainer's",
     "full_determinism": "the Trainer's",
     "seed": "the Trainer's; also the split and shuffle of the data",
-    "use_cpu": "the Trainer's; --ddp_timeout acts with it too (set_up_cpu_process_group)",
+    "use_cpu": "the Trainer's; --ddp_timeout acts with it too (ProcessGroupTimeout)",
     "accelerator_config": "the Trainer's accelerator (pretraining: the training stream is not dispatched)",
     "dataloader_drop_last": "the Trainer's DataLoaders (pretraining: evaluation; the stream has no last batch)",
     "dataloader_num_workers": "the DataLoaders (pretraining: stream workers, hfl3.data.streaming)",
@@ -248,7 +248,7 @@ TRAINER_NOT_APPLICABLE = {
 
 _PRETRAIN_HONOURED = {
     # PretrainScriptArguments
-    "dataset": "hfl3.data.sources.open_corpus (checked at parse time: check_corpus)",
+    "dataset": "hfl3.data.sources.open_corpus (checked before any work: check_corpus)",
     "dataset_config": "open_corpus",
     "dataset_split": "open_corpus",
     "text_column": "open_corpus",
@@ -260,7 +260,7 @@ _PRETRAIN_HONOURED = {
     "document_max_chars": "PackedStream",
     "shuffle_buffer": "PackedStream",
     "packing_buffer": "PackedStream",
-    "tokenizer_name_or_path": "prepare_tokenizer (checked at parse time)",
+    "tokenizer_name_or_path": "prepare_tokenizer (checked before any work)",
     "vocab_size": "train_tokenizer; --dry_run's vocabulary",
     "tokenizer_train_chars": "prepare_tokenizer",
     "l3_sample_tokens": "build_model: the LZW allocation's sample",
@@ -283,11 +283,11 @@ _PRETRAIN_HONOURED = {
     "total_batch_size": "compute_optimal_plan",
     "core_metric_every": "CoreMetricCallback",
     "core_metric_max_per_task": "CoreMetricCallback",
-    "core_bundle_dir": "CoreMetricCallback (checked at parse time: check_core_bundle)",
-    "use_muon": "PretrainTrainer.create_optimizer (OptimizerMixin)",
+    "core_bundle_dir": "CoreMetricCallback (checked before any work: check_core_bundle)",
+    "use_muon": "TrainerHooks.create_optimizer",
     **{name: "MuonAdamW's group LR (hfl3.optim.settings)" for name in GROUP_LEARNING_RATES},
-    "warmdown_ratio": "OptimizerMixin.create_scheduler",
-    "final_lr_frac": "OptimizerMixin.create_scheduler",
+    "warmdown_ratio": "TrainerHooks.create_scheduler",
+    "final_lr_frac": "TrainerHooks.create_scheduler",
     # TrainingArguments fields whose use is pretraining's own
     "prediction_loss_only": "the Trainer's: evaluation without eval_bpb",
     "eval_use_gather_object": "the Trainer's evaluation loop",
@@ -326,13 +326,13 @@ _PRETRAIN_NOT_APPLICABLE = {
 
 _SFT_HONOURED = {
     # SFTScriptArguments
-    "dataset_name": "load_sft_data (checked at parse time: check_sft_dataset)",
+    "dataset_name": "load_sft_data (checked before any work: check_sft_dataset)",
     "dataset_config": "load_sft_data",
     "dataset_train_split": "load_sft_data",
     "dataset_test_split": "load_sft_data",
-    "train_file": "load_sft_data (checked at parse time)",
+    "train_file": "load_sft_data (checked before any work)",
     "stdlib_chats": "build_sft_trainer",
-    "eval_file": "load_sft_data (checked at parse time)",
+    "eval_file": "load_sft_data (checked before any work)",
     "val_split": "load_sft_data: a seeded split by record",
     "skip_invalid_records": "load_sft_data",
     "merge": "finish_sft: merged/",
@@ -341,7 +341,7 @@ _SFT_HONOURED = {
     "split_reasoning_turns": "load_sft_data",
     "ignore_empty_reasoning": "load_sft_data",
     # SFTModelArguments: TRL's ModelConfig and hfl3's fields
-    "model_name_or_path": "load_base_model (folder checked at parse time: check_model_folder)",
+    "model_name_or_path": "load_base_model (folder checked before any work: check_model_folder)",
     "model_revision": "load_base_model, load_sft_tokenizer",
     "dtype": "load_base_model",
     "attn_implementation": "load_base_model",
@@ -360,7 +360,7 @@ _SFT_HONOURED = {
     "use_bnb_nested_quant": "load_base_model (check_quantization_arguments)",
     "bnb_4bit_quant_storage": "load_base_model (check_quantization_arguments)",
     "gguf_file": "load_base_model, load_sft_tokenizer",
-    "tokenizer_name_or_path": "load_sft_tokenizer (checked at parse time)",
+    "tokenizer_name_or_path": "load_sft_tokenizer (checked before any work)",
     "base_model_hub_id": "the pushed adapter_config.json and card",
     # TRL's SFTConfig
     "model_init_kwargs": "load_base_model (over --dtype, as trl sft)",
@@ -388,20 +388,20 @@ _SFT_HONOURED = {
     # ChatSFTConfig's own fields
     "early_stopping_patience": "EarlyStoppingCallback (decide_evaluation checks it can act)",
     "early_stopping_threshold": "EarlyStoppingCallback",
-    "init_lr_frac": "OptimizerMixin.create_optimizer (Muon)",
+    "init_lr_frac": "TrainerHooks.create_optimizer (Muon)",
     "load_optimizer": "decide_from_base: a warm start",
-    "use_muon": "OptimizerMixin.create_optimizer",
+    "use_muon": "TrainerHooks.create_optimizer",
     **{name: "MuonAdamW's group LR, or the base run's, or derived from --learning_rate (decide_from_base)"
        for name in GROUP_LEARNING_RATES},
-    "warmdown_ratio": "OptimizerMixin.create_scheduler",
-    "final_lr_frac": "OptimizerMixin.create_scheduler",
+    "warmdown_ratio": "TrainerHooks.create_scheduler",
+    "final_lr_frac": "TrainerHooks.create_scheduler",
     "overwrite_output_dir": "prepare_output_dir",
     # ChatCoreArguments (ChatSFTConfig's): ChatCORE during training
     "chatcore_every": "ChatCoreCallback",
     "chatcore_max_cat": "chatcore_problems_for_training",
     "chatcore_max_sample": "chatcore_problems_for_training",
     "chatcore_max_new_tokens": "ChatCoreCallback",
-    "chatcore_data_dir": "chatcore_problems_for_training (checked at parse time: check_chatcore_setup)",
+    "chatcore_data_dir": "chatcore_problems_for_training (checked before any work: check_chatcore_setup)",
     # TrainingArguments fields whose use is SFT's own
     "num_train_epochs": "the Trainer's",
     "auto_find_batch_size": "the Trainer's",
@@ -538,7 +538,7 @@ def refuse_flags(recipe: str, given: frozenset[str], *parsed) -> None:
 
 def check_model_flags(model_args, training_args) -> None:
     """The SFT flags that act only on some models, checked against the model's config (read, no weight), while the
-    arguments are parsed: `--router_aux_loss_coef` (TRL weighs a Mixture-of-Experts model's router loss; the config
+    arguments are checked: `--router_aux_loss_coef` (TRL weighs a Mixture-of-Experts model's router loss; the config
     must declare `output_router_logits`), and `--lora_target_modules` on a copy of the model built on the meta
     device: a list of names as PEFT matches them (a name, or the end of a dotted name), one value with
     regular-expression syntax as TRL and PEFT take it (matched against whole module names), each module matched of a

@@ -1,38 +1,13 @@
-"""Guards of a training run: the tokenizer-fits-the-model check of SFT (`check_vocabulary_fits`) and the non-finite
-loss / gradient-norm stop (`NonFiniteGuard`, a `Trainer` mixin). How a recipe ends when it stops on an error is
-`hfl3.trainers.exits`.
-
-The NaN/inf guard costs no device→host synchronisation per step (the pretraining step is kept free of them, decision
-12 of docs/design.md): each step compares the loss and the gradient norm with `torch.isfinite` on the device and keeps
-the first bad step number in a device tensor (`masked_fill_` with a Python int: no copy, no sync). The flags are read
-only where the Trainer synchronises anyway (when it logs, evaluates, saves or stops: `BeforeLogSaveEvaluate`), and
-before a save the parameters are checked too, so no checkpoint holds a non-finite tensor and the last good checkpoint
-stays the newest one.
-"""
+"""The guard of an SFT run's inputs that needs its model: the tokenizer fits the model's embeddings
+(`check_vocabulary_fits`). The NaN/inf guard of every step is `hfl3.trainers.metrics`."""
 
 from __future__ import annotations
 
 import logging
-import math
-import os
 
 import pyarrow.compute as pc
-import torch
-from accelerate.utils import DistributedType
-from transformers.trainer_utils import get_last_checkpoint
-
-from hfl3.callbacks import BeforeLogSaveEvaluate
 
 logger = logging.getLogger(__name__)
-
-
-class NonFiniteTrainingError(RuntimeError):
-    """The training loss, the gradient norm or a parameter became NaN or infinite. `step` is the first optimizer
-    step (1-based, `state.global_step` after it) where it was seen."""
-
-    def __init__(self, message: str, step: int):
-        super().__init__(message)
-        self.step = step
 
 
 def check_vocabulary_fits(tokenizer, model, datasets=()) -> None:
@@ -77,118 +52,3 @@ def _largest_id(dataset) -> int:
     return largest
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's part of a DTensor (FSDP2), else the tensor: a non-finite shard makes the whole non-finite, and
-    the flags are combined across processes when read."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-class NonFiniteCheck(BeforeLogSaveEvaluate):
-    """`NonFiniteGuard`'s hook: a class of its own, since the Trainer warns when one callback class is added twice
-    (the pretraining trainer adds another `BeforeLogSaveEvaluate`)."""
-
-
-class NonFiniteGuard:
-    """Mixin for a `transformers.Trainer` subclass (`class MyTrainer(NonFiniteGuard, Trainer)`): stop training at
-    the first non-finite loss or gradient norm with `NonFiniteTrainingError` naming the step, before anything from
-    that step on is logged or saved (module docstring: how, without a per-step device sync).
-
-    The loss is the one `training_step` returns (every micro-batch). The gradient norm is the pre-clipping norm that
-    transformers 5.23 computes at every optimizer step (also with `max_grad_norm=0`; a Python float under DeepSpeed)
-    and hands to no public hook (callbacks see it only in the logs, as a host float): `_get_grad_norm` stays
-    overridden to read it, its signature pinned by `tests/test_trainer_hooks.py`. The flags are read, and the error
-    raised, by a `BeforeLogSaveEvaluate` callback at the first log, evaluation, save or end of training after the bad
-    step, on every process at once (they are gathered); they are cleared when `train()` starts.
-    """
-
-    _nonfinite_first: dict[str, torch.Tensor] | None = None
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.add_callback(NonFiniteCheck(lambda control: self.check_finite(parameters=control.should_save),
-                                                at_train_begin=self._clear_nonfinite))
-
-    def _clear_nonfinite(self) -> None:
-        self._nonfinite_first = None  # a new run (or a resumed one) starts clean
-
-    def _nonfinite_slot(self, name: str, device: torch.device) -> torch.Tensor:
-        if self._nonfinite_first is None:
-            self._nonfinite_first = {}
-        if name not in self._nonfinite_first:
-            self._nonfinite_first[name] = torch.full((), -1, dtype=torch.long, device=device)
-        return self._nonfinite_first[name]
-
-    def _record_nonfinite(self, name: str, value) -> None:
-        """Remember the current step (on the device) under `name` if `value` is not finite and none was before."""
-        if value is None:
-            return
-        step = self.state.global_step + 1
-        if torch.is_tensor(value):
-            value = _local(value.detach())
-            first = self._nonfinite_slot(name, value.device)
-            bad = ~torch.isfinite(value).all()
-            first.masked_fill_(bad.to(first.device) & (first < 0), step)
-        elif not math.isfinite(value):  # already a Python number (DeepSpeed's gradient norm)
-            first = self._nonfinite_slot(name, self.args.device)
-            first.masked_fill_(first < 0, step)
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._record_nonfinite("loss", loss)
-        return loss
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        if grad_norm is None and self._gradients_are_plain_tensors():
-            # without clipping, transformers measures the norm with clip_grad_norm_(inf), which also multiplies every
-            # gradient by 1 (a read and a write of all of them per step): measure it alone
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
-        self._record_nonfinite("gradient norm", grad_norm)
-        return grad_norm
-
-    def _gradients_are_plain_tensors(self) -> bool:
-        """Whole, unscaled gradients in `.grad` (one process or DDP, no fp16 loss scaling): their norm is the
-        norm of the model's gradient."""
-        plain = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-        return self.accelerator.distributed_type in plain and self.accelerator.scaler is None
-
-    def check_finite(self, parameters: bool = False) -> None:
-        """Read the flags (one device sync; a gather across processes when distributed) and raise if a loss or a
-        gradient norm was not finite; with `parameters`, also check every parameter (before a save).
-
-        Raises:
-            NonFiniteTrainingError: naming the first bad step, what was not finite, and what to do.
-        """
-        device = self.args.device
-        names = ["loss", "gradient norm"]
-        flags = [self._nonfinite_slot(name, device).to(device) for name in names]
-        if parameters:
-            # ZeRO-3 leaves empty placeholders here (the shards live in the engine's flat buffers)
-            checks = [torch.isfinite(_local(p.detach())).all().to(device) for p in self.model.parameters() if p.numel()]
-            finite = torch.stack(checks).all() if checks else torch.ones((), dtype=torch.bool, device=device)
-            names.append("parameters")
-            flags.append(torch.where(finite, -1, self.state.global_step))
-        steps = torch.stack(flags)  # (k,)
-        if self.args.world_size > 1:
-            gathered = self.accelerator.gather(steps).view(-1, len(names))  # (world_size, k)
-            steps = torch.where(gathered < 0, torch.iinfo(torch.long).max, gathered).min(dim=0).values
-            steps = torch.where(steps == torch.iinfo(torch.long).max, -1, steps)
-        bad = {name: step for name, step in zip(names, steps.tolist()) if step >= 0}
-        if bad:
-            raise NonFiniteTrainingError(self._nonfinite_message(bad), min(bad.values()))
-
-    def _nonfinite_message(self, bad: dict[str, int]) -> str:
-        if len(bad) > 1:  # a non-finite loss or gradient makes the parameters non-finite: name the cause
-            bad.pop("parameters", None)
-        first = min(bad.values())
-        parts = [("a parameter" if name == "parameters" else f"the {name}") + ("" if step == first else
-                 f" (at step {step})") for name, step in sorted(bad.items(), key=lambda item: item[1])]
-        newest = None
-        if os.path.isdir(self.args.output_dir):
-            newest = get_last_checkpoint(self.args.output_dir)
-        kept = f"the newest checkpoint is {os.path.basename(newest)}" if newest else "no checkpoint was saved"
-        return (f"training diverged at step {first}: {' and '.join(parts)} became NaN or infinite; stopped at step "
-                f"{self.state.global_step} before logging or saving anything from the diverged run ({kept}). Lower "
-                f"--learning_rate (now {self.args.learning_rate:g}), raise --warmup_steps (now "
-                f"{self.args.warmup_steps}), keep --max_grad_norm above 0 (now {self.args.max_grad_norm:g}), or check "
-                f"the batch of step {first}; then restart or resume from the newest checkpoint")

@@ -1,9 +1,11 @@
 """How a recipe was launched: accelerate's setup checked against the launch (`check_launch`), the gloo process group of a
-`--use_cpu` launch set up with `--ddp_timeout`, and the recipes' log format. Their arguments are parsed and checked by
-`hfl3.trainers.arguments`; how every multi-process entry point ends is `hfl3.distributed.end_distributed_run`."""
+`--use_cpu` launch set up with `--ddp_timeout` (`ProcessGroupTimeout`), and the recipes' log format. Their arguments
+are parsed by `hfl3.trainers.arguments` and checked by `hfl3.trainers.setup`; how every multi-process entry point ends
+is `hfl3.distributed.end_distributed_run`."""
 
 import logging
 import os
+from functools import cached_property
 
 logger = logging.getLogger(__name__)
 
@@ -95,14 +97,13 @@ def check_launch(training_args) -> int:
     return training_args.world_size
 
 
-def set_up_cpu_process_group(training_args) -> None:
-    """Set up the process group of a `--use_cpu` launch (DDP over gloo) with `--ddp_timeout`, before
-    `TrainingArguments.__post_init__` does it without: transformers 5.23 passes the timeout to accelerate's
-    `PartialState` on every path but `use_cpu`, so torch's 30 minutes applied and a rank whose peer is lost or frozen
-    waited that long. accelerate's `PartialState` is the one that sets it up (its `timeout` reaches
-    `torch.distributed.init_process_group`); transformers then finds the group initialized and keeps it. Call it
-    first in the `__post_init__` of a `TrainingArguments` subclass; without a launch of several processes it does
-    nothing."""
+def set_up_process_group(training_args) -> None:
+    """Set up the process group of a `--use_cpu` launch (DDP over gloo) with `--ddp_timeout`, before transformers
+    sets it up without: transformers 5.23 passes the timeout to accelerate's `PartialState` on every path but
+    `use_cpu`, so torch's 30 minutes applied and a rank whose peer is lost or frozen waited that long. accelerate's
+    `PartialState` is the one that sets it up (its `timeout` reaches `torch.distributed.init_process_group`);
+    transformers then finds the group initialized and keeps it. `ProcessGroupTimeout` calls it where transformers
+    sets up the devices; without a launch of several processes it does nothing."""
     import datetime
 
     import torch.distributed
@@ -111,6 +112,21 @@ def set_up_cpu_process_group(training_args) -> None:
     if training_args.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
         PartialState(cpu=True, backend=training_args.ddp_backend,
                      timeout=datetime.timedelta(seconds=training_args.ddp_timeout))
+
+
+class ProcessGroupTimeout:
+    """A base of the recipes' `TrainingArguments` (before the transformers class): `--ddp_timeout` acts with
+    `--use_cpu` too. It overrides `TrainingArguments._setup_devices` (transformers 5.23's private `cached_property`
+    that sets up the devices and, in a launch, the process group; `tests/test_trainer_hooks.py` pins it), so that the
+    group is set up there with the timeout (`set_up_process_group`) and not by the arguments' `__post_init__`:
+    constructing the arguments sets up the devices, as in every TRL script, and hfl3 adds no other work to it."""
+
+    @cached_property
+    def _setup_devices(self):
+        from transformers import TrainingArguments
+
+        set_up_process_group(self)
+        return TrainingArguments._setup_devices.func(self)
 
 
 def _flag(name: str) -> bool:

@@ -1,12 +1,13 @@
 """The optimizer of both recipes' trainers, declared once: `MuonTrainingArguments` (the Muon fields and `--optim
-muon`, which `PretrainConfig` and `ChatSFTConfig` inherit) and `OptimizerMixin` (`MuonAdamW` with nanochat's
-parameter groups or the Trainer's own optimizer, every group's LR scaled, the warmup → constant → linear warmdown
-schedule, and a warm start from a saved optimizer state), which `PretrainTrainer` and `ChatSFTTrainer` inherit.
+muon`, which `PretrainConfig` and `ChatSFTConfig` inherit) and what the trainers' hooks call
+(`hfl3.trainers.hooks.TrainerHooks`): `create_optimizer` (`MuonAdamW` with nanochat's parameter groups or the
+Trainer's own optimizer, every group's LR scaled, and a warm start from a saved optimizer state),
+`set_schedule_defaults` (the warmup → constant → linear warmdown schedule) and `write_optimizer_state`.
 
 transformers 5.23 has no way to register an optimizer name: `TrainingArguments.__post_init__` converts `optim` to its
 closed enum `OptimizerNames` (unknown names raise), and the Trainer builds only those (`get_optimizer_cls_and_kwargs`,
 a private table); an optimizer of one's own reaches the Trainer through its public `optimizers` /
-`optimizer_cls_and_kwargs` arguments or a `create_optimizer` override, which is `OptimizerMixin`'s. So "muon" is taken
+`optimizer_cls_and_kwargs` arguments or a `create_optimizer` override, which is the hooks'. So "muon" is taken
 out of `optim` before transformers validates it (`MuonTrainingArguments.take_muon_out_of_optim`): `optim="muon"`
 becomes `use_muon=True` with `optim` "adamw_torch", what runs MuonAdamW's AdamW groups (torch's AdamW), and
 `to_dict()` records both (docs/design.md, decision 2).
@@ -15,7 +16,6 @@ becomes `use_muon=True` with `optim` "adamw_torch", what runs MuonAdamW's AdamW 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,79 +62,66 @@ class MuonTrainingArguments(GroupLearningRates):
                              "AdamW groups run torch's AdamW, optim adamw_torch); drop --optim or --use_muon")
 
 
-class OptimizerMixin:
-    """Trainer mixin (before `Trainer` in the bases) that builds the optimizer in one place: `create_optimizer`.
+def refuse_what_muon_cannot_run_under(args) -> None:
+    """With `args.use_muon`, refuse the sharded setups Muon cannot run under (`hfl3.optim.refuse_unsupported_sharding`),
+    when the trainer is built: a DeepSpeed config with its own optimizer section never calls `create_optimizer`."""
+    if getattr(args, "use_muon", False):
+        from hfl3.optim import refuse_unsupported_sharding
 
-    With `args.use_muon`: `hfl3.optim.muon_optimizer` with the args' group LRs (what Muon cannot run under is
-    refused in `__init__`, before training: `hfl3.optim.refuse_unsupported_sharding`); otherwise the Trainer's own
-    optimizer (`--optim`). Every group's LR is multiplied by `args.batch_lr_scale` (Muon: but the smear group's, as
-    nanochat) and, with Muon, by `args.init_lr_frac` when the args have it (nanochat chat SFT's start at a fraction of
-    the base LRs). With
-    `optimizer_state` (a file `hfl3.optim.state_file.save_optimizer_state` wrote), the new optimizer is warm-started
-    from it (its momentum buffers and moments; the groups' LRs and step counts stay this run's), unless the run
-    resumes from a checkpoint, whose state the Trainer then loads over it.
+        refuse_unsupported_sharding(args)
 
-    `create_scheduler`: for `warmup_stable_decay`, `num_decay_steps` from `warmdown_ratio` and `min_lr_ratio` from
-    `final_lr_frac` unless `lr_scheduler_kwargs` sets them (linear decay, as nanochat)."""
 
-    optimizer_state: str | os.PathLike | None = None
+def create_optimizer(trainer, model, create_default) -> None:
+    """Build `trainer.optimizer`, the one place both trainers' optimizers come from.
 
-    def __init__(self, *args, optimizer_state: str | os.PathLike | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.optimizer_state = optimizer_state
-        if getattr(self.args, "use_muon", False):
-            from hfl3.optim import refuse_unsupported_sharding
+    With `args.use_muon`: `hfl3.optim.muon_optimizer` with the args' group LRs; otherwise the Trainer's own optimizer
+    (`create_default(model)`: `--optim`). Every group's LR is multiplied by `args.batch_lr_scale` (Muon: but the smear
+    group's, as nanochat) and, with Muon, by `args.init_lr_frac` when the args have it (nanochat chat SFT's start at a
+    fraction of the base LRs). With `trainer.optimizer_state` (a file `hfl3.optim.state_file.save_optimizer_state`
+    wrote), the new optimizer is warm-started from it (its momentum buffers and moments; the groups' LRs and step
+    counts stay this run's), unless the run resumes from a checkpoint, whose state the Trainer then loads over it."""
+    args = trainer.args
+    if getattr(args, "use_muon", False):
+        from hfl3.optim import muon_optimizer  # the setup was refused when the trainer was built if Muon cannot run
 
-            # Here, not in create_optimizer: a DeepSpeed config with its own optimizer section skips that.
-            refuse_unsupported_sharding(self.args)
+        scale = args.batch_lr_scale * getattr(args, "init_lr_frac", 1.0)
+        trainer.optimizer = muon_optimizer(model or trainer.model, args, batch_lr_scale=scale,
+                                           num_training_steps=getattr(trainer, "num_training_steps", None))
+    else:
+        create_default(model)
+        for group in trainer.optimizer.param_groups:  # before create_scheduler records the groups' initial_lr
+            group["lr"] *= args.batch_lr_scale
+    if trainer.optimizer_state is not None and not getattr(trainer, "resume_checkpoint", None):
+        loaded = load_optimizer_state(trainer.optimizer, model or trainer.model, trainer.optimizer_state)
+        logger.info("optimizer warm-started from the base's optimizer state (%d parameters; this run's LRs)", loaded)
 
-    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        self._num_training_steps = num_training_steps
-        super().create_optimizer_and_scheduler(num_training_steps)
 
-    def create_optimizer(self, model=None):
-        if self.optimizer is not None:
-            return super().create_optimizer(model)
-        if getattr(self.args, "use_muon", False):
-            from hfl3.optim import muon_optimizer  # the setup was refused in __init__ if Muon cannot run under it
+def set_schedule_defaults(args, num_training_steps: int) -> None:
+    """For `warmup_stable_decay`: `num_decay_steps` from `warmdown_ratio` and `min_lr_ratio` from `final_lr_frac`
+    unless `lr_scheduler_kwargs` sets them (linear decay, as nanochat), written into `args.lr_scheduler_kwargs`."""
+    if args.lr_scheduler_type == "warmup_stable_decay":
+        kwargs = dict(args.lr_scheduler_kwargs or {})
+        kwargs.setdefault("num_decay_steps", round(args.warmdown_ratio * num_training_steps))
+        kwargs.setdefault("min_lr_ratio", args.final_lr_frac)
+        kwargs.setdefault("decay_type", "linear")
+        args.lr_scheduler_kwargs = kwargs
 
-            scale = self.args.batch_lr_scale * getattr(self.args, "init_lr_frac", 1.0)
-            self.optimizer = muon_optimizer(model or self.model, self.args, batch_lr_scale=scale,
-                                            num_training_steps=getattr(self, "_num_training_steps", None))
-        else:
-            super().create_optimizer(model)
-            for group in self.optimizer.param_groups:  # before create_scheduler records the groups' initial_lr
-                group["lr"] *= self.args.batch_lr_scale
-        if self.optimizer_state is not None and not getattr(self, "resume_checkpoint", None):
-            loaded = load_optimizer_state(self.optimizer, model or self.model, self.optimizer_state)
-            logger.info("optimizer warm-started from the base's optimizer state (%d parameters; this run's LRs)",
-                        loaded)
-        return self.optimizer
 
-    def create_scheduler(self, num_training_steps: int, optimizer=None):
-        if self.args.lr_scheduler_type == "warmup_stable_decay":
-            kwargs = dict(self.args.lr_scheduler_kwargs or {})
-            kwargs.setdefault("num_decay_steps", round(self.args.warmdown_ratio * num_training_steps))
-            kwargs.setdefault("min_lr_ratio", self.args.final_lr_frac)
-            kwargs.setdefault("decay_type", "linear")
-            self.args.lr_scheduler_kwargs = kwargs
-        return super().create_scheduler(num_training_steps, optimizer)
-
-    def save_optimizer_state(self) -> Path | None:
-        """`optimizer/optimizer.safetensors` in `args.output_dir` (inside `finish_output`: the staged final folder),
-        written by the main process, for an SFT run's warm start (`hfl3.optim.state_file`). Not under DeepSpeed or
-        FSDP, whose optimizers hold shards (a log line says so). Returns the file, or None."""
-        if self.optimizer is None:
-            return None
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            logger.info("%s not written: DeepSpeed and FSDP shard the optimizer state (a fine-tuning of this model "
-                        "starts its optimizer fresh)", FILE)
-            return None
-        path = Path(self.args.output_dir) / FILE
-        if self.args.should_save:
-            save_optimizer_state(getattr(self.optimizer, "optimizer", self.optimizer),
-                                 self.accelerator.unwrap_model(self.model, keep_torch_compile=False), path)
-        return path
+def write_optimizer_state(trainer) -> Path | None:
+    """`optimizer/optimizer.safetensors` in `args.output_dir` (inside `finish_output`: the staged final folder),
+    written by the main process, for an SFT run's warm start (`hfl3.optim.state_file`). Not under DeepSpeed or FSDP,
+    whose optimizers hold shards (a log line says so). Returns the file, or None."""
+    if trainer.optimizer is None:
+        return None
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        logger.info("%s not written: DeepSpeed and FSDP shard the optimizer state (a fine-tuning of this model starts "
+                    "its optimizer fresh)", FILE)
+        return None
+    path = Path(trainer.args.output_dir) / FILE
+    if trainer.args.should_save:
+        save_optimizer_state(getattr(trainer.optimizer, "optimizer", trainer.optimizer),
+                             trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False), path)
+    return path
 
 
 def optimizer_metadata(args, model) -> dict:

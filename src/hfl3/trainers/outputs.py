@@ -1,9 +1,9 @@
 """Output folders that survive a kill: where a run writes, checked and resolved before any work, and folders committed
 whole; nothing is lost, and nothing of this machine leaks. The Trainer side (staged checkpoints, the final folder,
-resume checks) is `hfl3.trainers.output_mixins`.
+resume checks) is `hfl3.trainers.run_folder`, called by the trainers' hooks (`hfl3.trainers.hooks`).
 
-- `prepare_output_dir(args) -> OutputFolder`: the recipes' first call (made while their arguments are parsed), whose
-  result the trainer holds (`OutputFolderMixin(output_folder=...)`): nothing re-derives it. Refuses a non-empty
+- `prepare_output_dir(args) -> OutputFolder`: the recipes' first call (made when their arguments are checked), whose
+  result the trainer holds (`TrainerHooks(output_folder=...)`): nothing re-derives it. Refuses a non-empty
   `output_dir` unless the run resumes (`--resume_from_checkpoint latest|true|PATH`) or `--overwrite_output_dir` is
   given, and a push that could not happen; resolves `latest`/`true` to the newest complete checkpoint
   (`latest_checkpoint`); finishes a final folder whose commit was interrupted; probes which machines see rank 0's
@@ -133,7 +133,7 @@ def resolve_checkpoint(output_dir: str | os.PathLike, resume_from_checkpoint: st
 @dataclass(frozen=True)
 class OutputFolder:
     """Where a run writes, resolved once before any work (`prepare_output_dir`) and carried into the trainer
-    (`OutputFolderMixin(output_folder=...)`).
+    (`TrainerHooks(output_folder=...)`).
 
     Attributes:
         path: the output folder (`--output_dir`); its files are replaced only when the run commits its final folder.
@@ -159,7 +159,7 @@ class OutputFolder:
 
 
 def prepare_output_dir(args, refuse: bool = True) -> OutputFolder:
-    """Check and resolve where a run writes, before any data or model work; the recipes call it once, while parsing
+    """Check and resolve where a run writes, before any data or model work; the recipes call it once, when checking
     their arguments (so a refusal is an argument error, exit status 2), and hand the result to the trainer. `args` is
     not changed: `resume_from_checkpoint` keeps what was asked, the folder resolved is `resume_checkpoint`.
 
@@ -176,7 +176,7 @@ def prepare_output_dir(args, refuse: bool = True) -> OutputFolder:
     `output_dir/_hfl3_staging/resume/`, removed when the run finishes).
 
     Args:
-        refuse: False for a trainer used without a recipe (`OutputFolderMixin.train`): the same resolution, without
+        refuse: False for a trainer used without a recipe (`TrainerHooks.train`): the same resolution, without
             the checks of a recipe's arguments (a non-empty folder, a push).
 
     Raises:
@@ -394,5 +394,5 @@ def local_base_model(name_or_path: str) -> str:
     """What a locally written `adapter_config.json` names as `base_model_name_or_path`: a local folder as its
     absolute path, because PEFT (`AutoPeftModelForCausalLM`, vLLM, TRL's scripts) resolves it against the working
     directory of whoever loads the adapter; a Hub id as given. The one place an hfl3 output holds a local path: the
-    copy pushed to the Hub names the base's Hub id instead (`SFTOutputs.hub_files`)."""
+    copy pushed to the Hub names the base's Hub id instead (`ChatSFTTrainer.hub_files`)."""
     return str(Path(name_or_path).resolve()) if Path(name_or_path).is_dir() else name_or_path

@@ -6,7 +6,7 @@ data and its own clock callbacks), so what it times is the path `recipes/pretrai
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import datasets
 import numpy as np
@@ -21,13 +21,14 @@ from hfl3.evaluate import CoreMetricCallback, core_bundle_for_training
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes
 from hfl3.trainers.arguments import RunSetup, apply_evaluation
-from hfl3.trainers.compute_optimal import REFERENCE_DEPTH, ComputeOptimalPlan, compute_optimal_plan, parameter_counts
+from hfl3.trainers.compute_optimal import (REFERENCE_DEPTH, ComputeOptimalPlan, apply_plan, compute_optimal_plan,
+                                          parameter_counts)
 from hfl3.trainers.optimizers import optimizer_metadata
 from hfl3.trainers.outputs import OutputFolder
-from hfl3.trainers.pretrain import BitsPerByte, PackedCollator, PretrainConfig, PretrainTrainer
+from hfl3.trainers.pretrain import BitsPerByte, PackedCollator, PretrainTrainer
+from hfl3.trainers.pretrain_config import L3GPTModelArguments, PretrainConfig, PretrainScriptArguments
 from hfl3.trainers.pretrain_data import (
     PretrainData,
-    PretrainScriptArguments,
     data_metadata,
     open_data,
     prepare_data,
@@ -35,36 +36,6 @@ from hfl3.trainers.pretrain_data import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class L3GPTModelArguments:
-    """The model's size and shape: `L3GPTConfig.from_depth(depth, ...)` with the fields given here; a field left at
-    None takes `L3GPTConfig`'s (or `from_depth`'s) own default, so no default is repeated here. The vocabulary comes
-    from the tokenizer and `max_position_embeddings` from `--max_length`."""
-
-    _argument_group_name = "model (hfl3.trainers.pretrain_builder.L3GPTModelArguments: L3GPTConfig.from_depth; None: the config's default)"
-
-    depth: int = field(default=4, metadata={"help": "decoder layers; sizes the model (nanochat --depth)"})
-    aspect_ratio: int | None = field(default=None, metadata={"help": "hidden_size = depth * aspect_ratio (rounded "
-                                                             "up to head_dim)"})
-    head_dim: int | None = field(default=None, metadata={"help": "attention head width"})
-    num_key_value_heads: int | None = field(default=None, metadata={"help": "GQA key/value heads"})
-    window_pattern: str | None = field(default=None, metadata={"help": "S = sliding window, L = full; last layer L"})
-    l3_after_layers: list[int] | None = field(default=None, metadata={"help": "L3 after these layers (none: dense)"})
-    l3_n_emb: int | None = field(default=None, metadata={"help": "total L3 rows"})
-    l3_k_max: int | None = field(default=None, metadata={"help": "most L3 rows per token"})
-    l3_d_up: int | None = field(default=None, metadata={"help": "L3 up-projection width"})
-    l3_tie_kv: bool | None = field(default=None, metadata={"help": "one table for L3 keys and values"})
-    attn_implementation: str | None = field(default=None, metadata={"help": "sdpa (default), eager or "
-                                                                    "flash_attention_2"})
-
-    def config(self, vocab_size: int, max_length: int, **token_ids) -> L3GPTConfig:
-        """The `L3GPTConfig` for a vocabulary of `vocab_size` tokens, rows of `max_length` tokens and the tokenizer's
-        `bos_token_id` / `eos_token_id` / `pad_token_id` (`token_ids`)."""
-        given = {k: v for k, v in asdict(self).items() if v is not None and k != "depth"}
-        return L3GPTConfig.from_depth(self.depth, vocab_size=vocab_size, max_position_embeddings=max_length,
-                                      **token_ids, **given)
 
 
 def plan_run(model_args: L3GPTModelArguments, training_args: PretrainConfig, vocab_size: int,
@@ -190,7 +161,7 @@ def build_pretraining(script_args: PretrainScriptArguments, training_args: Pretr
         plan_run(model_args, training_args, script_args.vocab_size, show=False)  # its errors before the BPE is trained
     tokenizer = prepare_tokenizer(script_args, output, documents[0])
     plan = plan_run(model_args, training_args, len(tokenizer))
-    training_args.apply_compute_optimal_plan(plan)
+    apply_plan(training_args, plan)
     apply_evaluation(training_args, setup.evaluation)
     data = prepare_data(script_args, documents, tokenizer, training_args.max_length,
                         evaluate=setup.evaluation.enabled)

@@ -3,7 +3,7 @@ tokenizer (`prepare_tokenizer`), the training stream and the validation rows (`p
 of `metadata.json` (`data_metadata`). `hfl3.trainers.pretrain_builder` builds the model and trainer on them."""
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,52 +14,9 @@ from hfl3.distributed import check_same_on_all_ranks, from_main, main_writes
 from hfl3.errors import InputError
 from hfl3.tokenization import load_tokenizer, train_tokenizer
 from hfl3.trainers.outputs import OutputFolder, work_dir
+from hfl3.trainers.pretrain_config import PretrainScriptArguments
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PretrainScriptArguments:
-    """The pretraining recipe's data, tokenizer and sample arguments (TRL's scripts import their `ScriptArguments`
-    from the library the same way): the corpus (`dataset`, read by `hfl3.data.sources.open_corpus`), its validation
-    side, the stream's buffers, the tokenizer (given, or a BPE trained on the stream), the L3 allocation's sample and
-    the greedy samples printed at evaluation; `dry_run` plans and stops."""
-
-    _argument_group_name = "data and tokenizer (hfl3.trainers.pretrain_data.PretrainScriptArguments)"
-
-    dataset: str = field(default="stdlib", metadata={"help": "comma-separated: stdlib, .txt/.jsonl/.json/.parquet/"
-                                                     ".arrow files (text and JSON also .gz/.bz2/.xz), folders and "
-                                                     "globs, or datasets names (Hub or disk)"})
-    dataset_config: str | None = field(default=None, metadata={"help": "configuration of a datasets source"})
-    dataset_split: str = field(default="train", metadata={"help": "split of a datasets source"})
-    text_column: str = field(default="text", metadata={"help": "text field of .jsonl/.json/.parquet and datasets"})
-    document_separator: str | None = field(default=None, metadata={"help": "split .txt files at this string ('': "
-                                                                   "whole files); default: a single .txt file is "
-                                                                   "split at blank lines, others are whole"})
-    skip_invalid_files: bool = field(default=False, metadata={"help": "skip unreadable, empty or malformed files, or "
-                                                              "files without the text column (each listed with "
-                                                              "its reason in metadata.json)"})
-    eval_dataset: str | None = field(default=None, metadata={"help": "held-out validation source (as --dataset; "
-                                                             "its files leave the training data); default: a "
-                                                             "seeded hash split of the documents"})
-    val_fraction: float = field(default=0.05, metadata={"help": "share of documents held out (hash split)"})
-    max_eval_rows: int = field(default=256, metadata={"help": "packed validation rows, built once"})
-    document_max_chars: int | None = field(default=None, metadata={"help": "cut documents into pieces of at most "
-                                                                   "this many characters (default: max_length; 0: "
-                                                                   "whole)"})
-    shuffle_buffer: int = field(default=1000, metadata={"help": "pieces in the seeded shuffle buffer (0: in order)"})
-    packing_buffer: int = field(default=1000, metadata={"help": "pieces the best-fit packing chooses from"})
-    tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "existing tokenizer; else train one"})
-    vocab_size: int = field(default=32768, metadata={"help": "vocabulary of the trained BPE"})
-    tokenizer_train_chars: int = field(default=20_000_000, metadata={"help": "characters to train the BPE on (from "
-                                                                     "the start of the stream)"})
-    l3_sample_tokens: int = field(default=2_000_000, metadata={"help": "training tokens LZW-scanned for L3 (from "
-                                                               "the start of the stream)"})
-    # No trailing space: BPE words carry their leading space (" foo"), so "def " would end on a lone-space token
-    sample_prompts: list[str] = field(default_factory=lambda: ["def", "import", "class"],
-                                      metadata={"help": "prompts for greedy samples at eval time"})
-    dry_run: bool = field(default=False, metadata={"help": "print the compute-optimal plan and exit before reading "
-                                                   "data (vocabulary: --tokenizer_name_or_path's, else --vocab_size)"})
 
 
 def open_data(script_args: PretrainScriptArguments, seed: int) -> tuple[DocumentSource, DocumentSource]:

@@ -1,199 +1,41 @@
-"""SFT on chat data: `ChatSFTConfig(SFTConfig)`, `ChatSFTTrainer(SFTTrainer)` and the extra outputs (`save_samples`,
-`save_merged_model`); the output folder (staging, provenance, card, loss plot, push) is `hfl3.trainers.output_mixins`'.
-`hfl3.trainers.sft_builder` builds a run (tokenizer, data, base model, trainer) for `recipes/sft_lora.py`."""
+"""SFT on chat data: `ChatSFTTrainer(SFTTrainer)`, its loss at the supervised positions only (`add_supervised_nll`:
+the model's forward patched to return the summed next-token NLL of the positions whose label is not -100, chunked
+linear + cross-entropy, without `(batch, seq, vocab)` logits; used off CUDA/XPU) and the extra outputs
+(`save_samples`, `save_merged_model`). The arguments are `hfl3.trainers.sft_config`'s; the output folder (staging,
+provenance, card, loss plot, push) is `hfl3.trainers.hooks`'; `hfl3.trainers.sft_builder` builds a run (tokenizer,
+data, base model, trainer) for `recipes/sft_lora.py`."""
 
 import copy
+import functools
+import json
 import logging
 import math
 import os
-from collections import defaultdict
-from dataclasses import dataclass, field
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import TrainingArguments
-from transformers.trainer_utils import IntervalStrategy
-from trl import SFTConfig, SFTTrainer
+from transformers.utils import ModelOutput
+from trl import SFTTrainer
 
 import hfl3  # noqa: F401  (registers L3GPT with the Auto classes)
 from hfl3.atomic import write_json_atomic
-from hfl3.evaluate.chat_callback import ChatCoreArguments, ChatCoreCallback, check_chatcore_arguments
+from hfl3.evaluate.chat_callback import ChatCoreCallback
 from hfl3.generation import answer_prompts
-from hfl3.provenance import base_lineage, stamp_folder
-from hfl3.trainers.arguments import check_training_arguments
+from hfl3.models.l3gpt.linear_cross_entropy import linear_cross_entropy, register_zero3_owner
+from hfl3.provenance import base_lineage, portable, stamp_folder
 from hfl3.trainers.base_model import merge_adapter
 from hfl3.trainers.cards import sft_model_card, usage_name
-from hfl3.trainers.flags import with_choices
-from hfl3.trainers.guards import NonFiniteGuard
-from hfl3.trainers.launch import set_up_cpu_process_group
-from hfl3.trainers.optimizers import MuonTrainingArguments, OptimizerMixin
-from hfl3.trainers.output_mixins import SFTOutputs
-from hfl3.trainers.supervised_nll import LOGIT_SCALE_FIELDS, add_supervised_nll
+from hfl3.trainers.hooks import TrainerHooks
+from hfl3.trainers.outputs import base_model_hub_id
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ChatSFTConfig(ChatCoreArguments, MuonTrainingArguments, SFTConfig):
-    """`SFTConfig` with defaults for SFT that also run on a CPU, LoRA (`--use_peft`, the default) or every weight
-    (`--use_peft false`), with the Trainer's optimizers or MuonAdamW (`--optim muon`: the fields and groups of
-    pretraining, `hfl3.trainers.optimizers.MuonTrainingArguments`, with nanochat chat SFT's schedule).
-
-    Defaults that differ from `SFTConfig`:
-        assistant_only_loss: True (TRL: False): the loss is on the assistant replies, masked from the model's own
-            template by hfl3 (`hfl3.data.masks`; TRL needs `{% generation %}` markers); False trains the whole
-            sequence, as TRL does. `completion_only_loss` (TRL's None: on) acts on prompt-completion records.
-        learning_rate: 2e-4 for LoRA adapters; full fine-tuning (`--use_peft false`) takes TRL's 2e-5 unless it is
-            given (decided with the model arguments, `hfl3.trainers.arguments.check_sft_inputs`). Not used by Muon.
-        lr_scheduler_type: None -> "linear" (TRL's), or with Muon "warmup_stable_decay": warmup (`warmup_steps`,
-            none by default) → constant → linear warmdown over the last `warmdown_ratio` (0.5) of the steps to
-            `final_lr_frac` (0), starting at `init_lr_frac` (0.8) × the group LRs (karpathy/nanochat 92d63d4,
-            scripts/chat_sft.py).
-        activation_checkpointing (alias gradient_checkpointing): off (TRL: on; it costs ~30% time and small models
-            do not need it).
-        bf16: None -> True only on a CUDA GPU that supports it (TRL: True even on CPU).
-        eval_strategy: None -> "epoch"; the recipe turns evaluation off when it has no evaluation data and
-            `eval_strategy` was not given (`evaluate_by_default`, one log line says so).
-        save_strategy: None -> "steps" when `save_steps` is given (transformers' and TRL's default strategy), else
-            `eval_strategy` ("epoch" when that is "no"); with "steps", `save_steps` follows `eval_steps` unless given
-            (a checkpoint at every evaluation, as `load_best_model_at_end` needs).
-        load_best_model_at_end: None -> True when evaluating and the checkpoints follow the evaluations, else False
-            with a log line saying why (`best_model_problem`: `--save_strategy no`, a `save_steps` given alone
-            against epoch evaluations); metric_for_best_model: "eval_loss".
-    A refusal that involves a value chosen here (`hfl3_choices`) says so and names the flag that changes it
-    (`hfl3.trainers.flags.with_choices`).
-        save_total_limit: 2 (the best and the latest checkpoint survive).
-        eval_on_start: None -> True when there is evaluation data and the run does not resume
-            (`hfl3.trainers.arguments.decide_evaluation`); reported as `eval_before_*`
-            (`hfl3.trainers.training.train_and_evaluate`). It runs inside `train()`: an evaluate() before train() would prepare the model for
-            inference only (no DDP wrapper, a ZeRO inference engine).
-        dataset_kwargs: None -> `{"skip_prepare_dataset": True}` unless packing: the rows come tokenized, masked and
-            truncated to `max_length` (`hfl3.data.sft.load_sft_data`), and TRL's preparation would only copy them
-            twice (truncating again, dropping rows without a label, of which there are none).
-    Added:
-        early_stopping_patience: stop when `eval_loss` has not improved this many evaluations in a row.
-        early_stopping_threshold: minimum improvement that counts.
-        init_lr_frac: with Muon, the LRs start at this fraction of the group LRs (nanochat chat SFT: 0.8).
-        load_optimizer: with Muon or AdamW over every weight, warm-start the optimizer from the base's
-            `optimizer/optimizer.safetensors` (nanochat chat SFT's `--load-optimizer`); None: when the base folder
-            has the state of this run's optimizer.
-        use_muon, the Muon group LRs (`matrix_lr`, ...), `warmdown_ratio` (here 0.5), `final_lr_frac`: as
-            pretraining's, and inherited from a base that `recipes/pretrain.py` wrote unless given.
-        chatcore_every, chatcore_max_cat, chatcore_max_sample, chatcore_max_new_tokens, chatcore_data_dir: ChatCORE
-            during training (`hfl3.evaluate.chat_callback.ChatCoreArguments`).
-    """
-
-    _argument_group_name = "training (ChatSFTConfig: trl.SFTConfig with hfl3's defaults; early_stopping_* last)"
-
-    learning_rate: float = field(default=2e-4, metadata={"help": "Initial AdamW learning rate (LoRA: 2e-4; full "
-                                                                "fine-tuning: 2e-5 unless given; Muon: not used)."})
-    assistant_only_loss: bool = field(default=True, metadata={
-        "help": "Loss on the assistant replies the model's chat template renders (hfl3's masks; default: on); false: "
-                "on the whole sequence, as TRL's default."})
-    optim: str = field(default=TrainingArguments.optim, metadata={
-        "help": "One of transformers' OptimizerNames (default: transformers' and TRL's, adamw_torch_fused with torch "
-                ">= 2.8), or muon (MuonAdamW over every weight: --use_peft false)."})
-    lr_scheduler_type: str | None = field(default=None, metadata={
-        "help": "LR schedule (default: linear; with --optim muon: warmup_stable_decay, nanochat chat SFT's)."})
-    warmdown_ratio: float = field(default=0.5, metadata={"help": "Share of steps in the final linear warmdown "
-                                                         "(warmup_stable_decay; nanochat chat SFT: 0.5)."})
-    init_lr_frac: float = field(default=0.8, metadata={"help": "With --optim muon: the LRs start at this fraction "
-                                                       "of the group LRs (nanochat chat SFT)."})
-    load_optimizer: bool | None = field(default=None, metadata={
-        "help": "Warm-start the optimizer from the base's optimizer/optimizer.safetensors (a recipes/pretrain.py "
-                "output); default: when it holds this run's optimizer's state."})
-    save_steps: float | None = field(default=None, metadata={
-        "help": "Save every N steps (given alone: --save_strategy steps); default: at every evaluation, else 500."})
-    gradient_checkpointing: bool | None = field(
-        default=None, metadata={"help": "Deprecated alias of activation_checkpointing (off unless set)."}
-    )
-    bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; default: on a bf16 CUDA GPU."})
-    eval_strategy: str | None = field(
-        default=None, metadata={"help": "When to evaluate: no, steps or epoch (default: epoch with evaluation data)."}
-    )
-    save_strategy: str | None = field(
-        default=None, metadata={"help": "When to save a checkpoint: no, steps, epoch or best (default: as eval)."}
-    )
-    load_best_model_at_end: bool | None = field(
-        default=None, metadata={"help": "Keep the adapter with the best eval_loss (default: when evaluating)."}
-    )
-    metric_for_best_model: str | None = field(default="eval_loss", metadata={"help": "Metric that picks the best."})
-    save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept (the best one always)."})
-    eval_on_start: bool | None = field(
-        default=None, metadata={"help": "Evaluate at step 0 (default: with evaluation data, unless resuming)."}
-    )
-    early_stopping_patience: int | None = field(
-        default=None, metadata={"help": "Stop after this many evaluations without eval_loss improvement."}
-    )
-    early_stopping_threshold: float = field(
-        default=0.0, metadata={"help": "Minimum eval_loss decrease that counts as an improvement."}
-    )
-    overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Replace a non-empty output_dir's files when this run finishes."}
-    )
-
-    def __post_init__(self):
-        self.take_muon_out_of_optim()
-        check_training_arguments(self)  # a zero/negative learning rate or max_steps 0 trains nothing
-        check_chatcore_arguments(self)
-        set_up_cpu_process_group(self)  # --ddp_timeout acts with --use_cpu too
-        if self.lr_scheduler_type is None:
-            self.lr_scheduler_type = "warmup_stable_decay" if self.use_muon else "linear"
-        if self.bf16 is None:
-            self.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        self.evaluate_by_default = self.eval_strategy is None and not self.load_best_model_at_end
-        choices = {}  # what hfl3 chose for the user: {field: what a refusal naming it adds}
-        if self.eval_strategy is None:
-            self.eval_strategy = "epoch"
-            choices["eval_strategy"] = "hfl3's default with evaluation data"
-        evaluating = IntervalStrategy(self.eval_strategy) != IntervalStrategy.NO
-        steps_evaluation = IntervalStrategy(self.eval_strategy) == IntervalStrategy.STEPS
-        if self.save_strategy is None:
-            if self.save_steps is not None:  # a step count given alone saves by steps, as the Trainer's default does
-                self.save_strategy = "steps"
-                choices["save_strategy"] = "hfl3's choice for a --save_steps given alone"
-            else:
-                self.save_strategy = self.eval_strategy if evaluating else "epoch"
-                choices["save_strategy"] = "hfl3's default: as --eval_strategy"
-                if steps_evaluation:
-                    self.save_steps = self.eval_steps or self.logging_steps
-                    choices["save_steps"] = "hfl3's default: --eval_steps"
-        if self.save_steps is None:
-            self.save_steps = 500  # transformers' default
-        if self.load_best_model_at_end is None:
-            problem = self.best_model_problem() if evaluating else None
-            if problem:
-                logger.info("no best-model selection (hfl3's default when evaluating is off here): %s", problem)
-            self.load_best_model_at_end = evaluating and problem is None
-            choices["load_best_model_at_end"] = ("hfl3's default when evaluating" if self.load_best_model_at_end else
-                                                 "hfl3's default where no checkpoint follows every evaluation")
-        if self.dataset_kwargs is None and not self.packing and not self.eval_packing:
-            self.dataset_kwargs = {"skip_prepare_dataset": True}
-        self.hfl3_choices = {name: f"{name}={getattr(getattr(self, name), 'value', getattr(self, name))} is {why}, "
-                             f"not a value you gave; --{name} changes it" for name, why in choices.items()}
-        try:
-            super().__post_init__()
-        except ValueError as error:  # transformers' checks of the save and evaluation settings, among others
-            raise ValueError(with_choices(str(error), self.hfl3_choices)) from None
-
-    def best_model_problem(self) -> str | None:
-        """Why the checkpoints do not follow the evaluations, which best-model selection needs (transformers'
-        rule: the same strategy, or `--save_strategy best`; by steps, `--save_steps` a multiple of `--eval_steps`),
-        naming the flags; None when they do."""
-        save, evaluation = IntervalStrategy(self.save_strategy).value, IntervalStrategy(self.eval_strategy).value
-        if save == "best":
-            return None
-        if save != evaluation:
-            return (f"--save_strategy {save} with --eval_strategy {evaluation} keeps no checkpoint of every "
-                    f"evaluation to pick the best from; pass --save_strategy {evaluation} for it")
-        eval_steps = self.eval_steps or self.logging_steps
-        if save == "steps" and eval_steps >= 1 and self.save_steps >= 1 and self.save_steps % eval_steps:
-            return (f"--save_steps {self.save_steps:g} is not a multiple of --eval_steps {eval_steps:g}; pass a "
-                    "multiple for it")
-        return None
-
-
-class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  # any order of the mixins (decision 19)
+class ChatSFTTrainer(TrainerHooks, SFTTrainer):
     """TRL's `SFTTrainer` for pre-tokenized, pre-masked rows, with provenance on every save.
 
     Differences from `SFTTrainer`:
@@ -204,18 +46,21 @@ class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  #
       and otherwise scores every position through an eager online-softmax loop over 4096 × 32768 tiles (slower, and
       more memory on CPU); on GPUs TRL's fused, chunked path is kept. Neither builds `(batch, seq, vocab)` logits.
       The compact path logs what TRL's would (`mean_token_accuracy` per micro-batch, averaged at each log;
-      `num_tokens`, the non-padding training tokens so far), kept by hfl3 and added in `log`;
+      `num_tokens`, the non-padding training tokens so far), kept in `micro_batch_metrics` and added to the next log
+      (`TrainerHooks.log`);
     - `eval_loss` is the token-weighted mean NLL over all supervised tokens of the evaluation set (HF averages the
       per-batch means), and `eval_perplexity = exp(eval_loss)` is added (same for any `metric_key_prefix`);
-    - output folders and checkpoints as `hfl3.trainers.output_mixins.SFTOutputs` makes them: staged and renamed when
-      complete, resumable from `latest`, no `training_args.bin`, and with `provenance` (a `build_metadata` dict)
-      `metadata.json`, the `.safetensors` headers and the model card on every save.
+    - output folders and checkpoints as hfl3's hooks make them (`hfl3.trainers.hooks.TrainerHooks`): staged and
+      renamed when complete, resumable from `latest`, no `training_args.bin`, and with `provenance` (a
+      `build_metadata` dict) `metadata.json`, the `.safetensors` headers and the adapter's card on every save; the
+      adapter's `adapter_config.json` names a local base by its absolute path, and the copy pushed to the Hub the
+      base's Hub id (`hub_files`).
 
     Args:
         provenance: metadata to attach to every saved artifact; may be replaced before the final `save_model`.
         train_supervised_tokens: the supervised tokens of one epoch of `train_dataset` (`SFTData`), for the results'
             `train_supervised_tokens` and their rate (`run_results`).
-        **kwargs: as for `SFTTrainer` (and `output_folder`: `OutputFolderMixin`'s).
+        **kwargs: as for `SFTTrainer` (and `output_folder`, `optimizer_state`: `TrainerHooks`').
 
     Raises:
         ValueError: a train/eval dataset has `input_ids` but no `labels`.
@@ -223,12 +68,17 @@ class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  #
 
     _tag_names = ["trl", "sft", "hfl3", "lora"]
 
-    def __init__(self, *args, provenance: dict | None = None, train_supervised_tokens: int | None = None, **kwargs):
+    def hand_over_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments `SFTTrainer` is built with (`TrainerHooks.__init__` calls this first): what TRL would do
+        again to hfl3's finished rows, handed over off in a copy of the training arguments: its assistant-only masks
+        (it refuses the flag with tokenized rows, asking for a conversational dataset and a template with generation
+        markers), and, for padding-free rows without packing, the `max_length` it refuses them with (it asks for
+        rows truncated already, which hfl3's are). Takes `train_supervised_tokens` out of `kwargs`.
+
+        Raises:
+            ValueError: a train/eval dataset has `input_ids` but no `labels`."""
+        self.train_supervised_tokens = kwargs.pop("train_supervised_tokens", None)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        # What TRL would do again to hfl3's finished rows, handed over off in a copy of the arguments: its
-        # assistant-only masks (it refuses the flag with tokenized rows, asking for a conversational dataset and a
-        # template with generation markers), and, for padding-free rows without packing, the `max_length` it
-        # refuses them with (it asks for rows truncated already, which hfl3's are)
         handed = {}
         if training_args is not None and training_args.assistant_only_loss:
             handed["assistant_only_loss"] = False
@@ -247,15 +97,42 @@ class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  #
             columns = getattr(dataset, "column_names", None) or []
             if "input_ids" in columns and "labels" not in columns:
                 raise ValueError(f"{name} has input_ids but no labels; build it with hfl3.data.sft.load_sft_data")
-        super().__init__(*args, **kwargs)
-        self.provenance = provenance
-        self.train_supervised_tokens = train_supervised_tokens
+        return args, kwargs
+
+    def set_up(self) -> None:
+        """After `SFTTrainer.__init__`: the evaluation's token-weighted loss sums and, where it applies
+        (`_compact_loss_applies`), the compact CPU loss patched onto the model (`add_supervised_nll`)."""
         self._eval_nll_sum = self._eval_token_count = None
-        self._compact_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}  # name -> per micro-batch
         self._compact_train_tokens = 0
         self.compact_loss = self._compact_loss_applies()
         if self.compact_loss:
             add_supervised_nll(self._base_model(), owner=self.model)
+
+    def model_card(self, metadata: Mapping[str, Any]) -> dict:
+        """`write_model_card` arguments for the adapter (`sft_model_card`)."""
+        return sft_model_card(metadata, usage_name(self), adapter=True)
+
+    def base_hub_id(self, local_name: str | None = None) -> str | None:
+        """The base model's Hub id: `provenance["base_model"]["hub_id"]` (the recipe's `--base_model_hub_id`, or
+        `base_model_hub_id`), else `base_model_hub_id(local_name)`."""
+        known = ((self.provenance or {}).get("base_model") or {}).get("hub_id")
+        return known or (base_model_hub_id(local_name) if local_name else None)
+
+    def hub_files(self, folder: Path) -> dict[str, Any]:
+        """The pushed `adapter_config.json` names the base's Hub id, never a local path.
+
+        Raises:
+            ValueError: the base is a local folder with no known Hub id (the recipe refuses this before training).
+        """
+        config = folder / "adapter_config.json"
+        if not config.is_file():
+            return {}
+        values = json.loads(config.read_text())
+        hub_id = self.base_hub_id(values.get("base_model_name_or_path"))
+        if hub_id is None:
+            raise ValueError(f"not pushed: the base model {portable(values.get('base_model_name_or_path'))} is a "
+                             "local folder with no Hub id; pass --base_model_hub_id USER/NAME")
+        return {"adapter_config.json": {**values, "base_model_name_or_path": hub_id}}
 
     @property
     def chatcore(self) -> ChatCoreCallback | None:
@@ -317,7 +194,7 @@ class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  #
         # Per-rank sums are gathered with `gather`, not `gather_for_metrics`: at the last batch of an epoch the
         # latter cuts what it gathers to the dataset's remainder of samples, which is meaningless for sums (and broke
         # on the [correct, count] pair when the remainder was 1)
-        metrics = self._compact_metrics[mode]
+        metrics = self.micro_batch_metrics[mode]
         with torch.no_grad():
             correct = (outputs.predictions == outputs.targets).sum()
             correct, count_all = self.accelerator.gather(torch.stack([correct, count])).view(-1, 2).sum(0)
@@ -329,15 +206,6 @@ class ChatSFTTrainer(NonFiniteGuard, OptimizerMixin, SFTOutputs, SFTTrainer):  #
             self._compact_train_tokens += self.accelerator.gather(real_tokens).sum().item()
         metrics["num_tokens"] = [self._compact_train_tokens]
         return loss
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """`SFTTrainer.log` with the compact path's metrics added as TRL adds its own: averaged over the micro-batches
-        since the last log, `eval_`-prefixed in evaluation."""
-        mode = "train" if self.model.training else "eval"
-        prefix = "eval_" if mode == "eval" else ""
-        logs.update({prefix + key: sum(values) / len(values) for key, values in self._compact_metrics[mode].items()})
-        self._compact_metrics[mode].clear()
-        super().log(logs, start_time)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
@@ -390,3 +258,59 @@ def save_samples(trainer: ChatSFTTrainer, prompts: list[str], max_new_tokens: in
     write_json_atomic(Path(trainer.args.output_dir) / "samples.json", samples)
     for sample in samples:
         logger.info("Q: %s\nA: %s", sample["prompt"], sample["answer"])
+
+
+# ---- the loss at supervised positions only -------------------------------------------------------------------------
+
+@dataclass
+class SupervisedNLL(ModelOutput):
+    """Output of a model patched by `add_supervised_nll` and called with `supervised_nll=True`.
+
+    Args:
+        nll_sum (`torch.FloatTensor`, scalar): summed next-token NLL (nats) over the K supervised positions.
+        predictions (`torch.LongTensor` of shape `(K,)`): argmax token at each supervised position.
+        targets (`torch.LongTensor` of shape `(K,)`): the supervised next tokens.
+    """
+
+    nll_sum: torch.Tensor | None = None
+    predictions: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+
+
+LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+"""Config fields that rescale a model's logits (TRL's `add_fused_lm_head` reads them); `add_supervised_nll` does not
+apply them, so a model that sets one keeps TRL's loss."""
+
+
+def add_supervised_nll(model, owner: torch.nn.Module | None = None) -> None:
+    """Patch `model.forward` (as TRL's `add_fused_lm_head` does, and on top of it) so that
+    `model(..., labels=labels, supervised_nll=True)` returns a `SupervisedNLL` instead of logits: the backbone
+    (`model.base_model`) runs, the hidden states at the K positions whose next-token label is not -100 are kept, and
+    `linear_cross_entropy` (chunked) scores them against `get_output_embeddings().weight` with the text config's
+    `final_logit_softcapping` — no `(batch, seq, vocab)` logits, and none at unsupervised positions. Without
+    `supervised_nll` the forward is the previous one. Patch the model before PEFT wraps it or its base model after:
+    the call must go through the wrappers (DDP, PEFT) so that their hooks run. `owner` is the outermost model (the
+    PEFT model) whose forward runs this one: under ZeRO-3 the output embedding is gathered for its forward (PEFT
+    calls the base model's `forward` directly, so the base model's own ZeRO hooks do not run)."""
+    previous_forward = model.forward
+    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, supervised_nll=False, **kwargs):
+        if not supervised_nll:
+            return previous_forward(*args, **kwargs)
+        weight = self.get_output_embeddings().weight
+        register_zero3_owner(owner if owner is not None else self, weight)
+        labels = kwargs.pop("labels")
+        kwargs.pop("num_items_in_batch", None)
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*args, **kwargs).last_hidden_state[:, :-1]  # (B, T-1, C)
+        targets = labels[:, 1:].to(hidden.device)  # (B, T-1)
+        supervised = targets != -100
+        nll_sum, predictions = linear_cross_entropy(
+            hidden[supervised], weight, targets[supervised], softcap,
+            return_predictions=True, backend="chunked",
+        )  # (), (K,)
+        return SupervisedNLL(nll_sum=nll_sum, predictions=predictions, targets=targets[supervised])
+
+    model.forward = types.MethodType(forward, model)

@@ -1,14 +1,13 @@
-"""A chat SFT run, built in one place for the recipe and the benchmarks: the argument classes (`SFTScriptArguments`,
-`SFTModelArguments`, beside `hfl3.trainers.sft.ChatSFTConfig`), the tokenizer (`load_sft_tokenizer`), the trainer
-with its data and base model (`build_sft_trainer`) and the output folder (`finish_sft`)."""
+"""A chat SFT run, built in one place for the recipe and the benchmarks, on the arguments of
+`hfl3.trainers.sft_config`: the tokenizer (`load_sft_tokenizer`), the trainer with its data and base model
+(`build_sft_trainer`) and the output folder (`finish_sft`)."""
 
 import logging
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoTokenizer, EarlyStoppingCallback
-from trl import ModelConfig, get_peft_config
+from trl import get_peft_config
 
 from hfl3.data.chat import write_chat_jsonl
 from hfl3.data.sft import SFTData, load_sft_data, sft_data_options
@@ -21,84 +20,14 @@ from hfl3.trainers.base_model import load_base_model, quantization_metadata
 from hfl3.trainers.guards import check_vocabulary_fits
 from hfl3.trainers.optimizers import optimizer_metadata
 from hfl3.trainers.outputs import base_model_hub_id, work_dir
-from hfl3.trainers.sft import ChatSFTConfig, ChatSFTTrainer, save_merged_model, save_samples
+from hfl3.trainers.sft import ChatSFTTrainer, save_merged_model, save_samples
+from hfl3.trainers.sft_config import ChatSFTConfig, SFTModelArguments, SFTScriptArguments
 from hfl3.trainers.sft_inheritance import decide_from_base
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SFTScriptArguments:
-    """Data (`dataset_name`, `train_file` or `stdlib_chats`; evaluation from `dataset_test_split`, a seeded
-    `val_split` or `eval_file`, or none) and outputs (`merge`: also a merged full model in `output_dir/merged`;
-    `sample_prompts`: answered at the end). The `dataset_*` names are TRL's (`trl.ScriptArguments`)."""
-
-    _argument_group_name = "data and outputs (hfl3.trainers.sft_builder.SFTScriptArguments)"
-
-    dataset_name: str | None = field(
-        default=None, metadata={"help": "A datasets name: Hub dataset id, local folder of data files, or a "
-                                        ".json/.jsonl/.parquet/.arrow file."})
-    dataset_config: str | None = field(default=None, metadata={"help": "Configuration of dataset_name."})
-    dataset_train_split: str | None = field(
-        default=None, metadata={"help": "Split of dataset_name to train on (default: train)."})
-    dataset_test_split: str | None = field(
-        default=None, metadata={"help": "Split of dataset_name to evaluate on (default: none)."})
-    train_file: str | None = field(default=None, metadata={"help": "Chat JSONL: one {\"messages\": [...]} per line."})
-    stdlib_chats: int = field(
-        default=0, metadata={"help": "Instead of train_file: build this many chats from Python stdlib docstrings."}
-    )
-    eval_file: str | None = field(default=None, metadata={"help": "Chat JSONL for evaluation (instead of val_split)."})
-    val_split: float = field(
-        default=0.0, metadata={"help": "Fraction of the training conversations held out for evaluation (seeded)."}
-    )
-    skip_invalid_records: bool = field(
-        default=False, metadata={"help": "Skip and count invalid records instead of stopping at the first one."}
-    )
-    merge: bool = field(default=False, metadata={"help": "Also write the merged full model to output_dir/merged."})
-    sample_prompts: list[str] | None = field(
-        default=None, metadata={"help": "Questions answered greedily by the trained model at the end (samples.json)."}
-    )
-    max_new_tokens: int = field(default=96, metadata={"help": "Tokens generated per sample prompt."})
-    split_reasoning_turns: bool = field(default=False, metadata={
-        "help": "Make each assistant turn with reasoning_content its own sample ending at that turn (earlier turns "
-                "context only), so templates that drop earlier reasoning (Qwen3) still train every turn's reasoning."})
-    ignore_empty_reasoning: bool = field(default=False, metadata={
-        "help": "Leave the empty reasoning block the chat template inserts before a reply without reasoning (Qwen3: "
-                "<think>\\n\\n</think>\\n\\n) out of the loss."})
-
-
-@dataclass
-class SFTModelArguments(ModelConfig):
-    """`trl.ModelConfig` with `use_peft` on, `lora_target_modules` `["q_proj", "v_proj"]` (one value is a regular
-    expression, as TRL takes it, when it has regular-expression syntax; a single name stays a module name, which
-    PEFT would otherwise match against whole module names), and `gguf_file`, `tokenizer_name_or_path`,
-    `base_model_hub_id` added."""
-
-    _argument_group_name = ("model and LoRA (hfl3.trainers.sft_builder.SFTModelArguments: trl.ModelConfig; gguf_file, "
-                             "tokenizer_name_or_path, base_model_hub_id last)")
-
-    use_peft: bool = field(default=True, metadata={"help": "Train LoRA adapters (the only mode of this recipe)."})
-    lora_target_modules: list[str] | None = field(
-        default_factory=lambda: ["q_proj", "v_proj"],
-        metadata={"help": "Module names to adapt, 'all-linear', or one regular expression matched against whole module "
-                          "names (TRL's, e.g. '.*layers\\.[0-3]\\..*proj')."}
-    )
-    gguf_file: str | None = field(
-        default=None, metadata={"help": "GGUF file inside model_name_or_path to load (dequantized to train it)."}
-    )
-    tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's."})
-    base_model_hub_id: str | None = field(
-        default=None, metadata={"help": "Hub id of a local model_name_or_path: what the pushed adapter names as base."}
-    )
-
-    def __post_init__(self):
-        super().__post_init__()  # ModelConfig unpacks a one-element list, which PEFT takes as a regex
-        if isinstance(self.lora_target_modules, str) and not re.search(r"[][*+?(){}|^$\\]", self.lora_target_modules) \
-                and self.lora_target_modules != "all-linear":
-            self.lora_target_modules = [self.lora_target_modules]
-
-
-def load_sft_tokenizer(model_args: "SFTModelArguments", training_args: ChatSFTConfig):
+def load_sft_tokenizer(model_args: SFTModelArguments, training_args: ChatSFTConfig):
     """The tokenizer of `model_args`: `tokenizer_name_or_path`, else the model's at `model_revision` (or its GGUF
     file's), with `training_args.chat_template_path` (a `.jinja` file) as its chat template, before the data is
     masked with it (TRL's trainer sets the same file's text again: no change)."""
