@@ -23,7 +23,7 @@ from trl import ModelConfig, SFTConfig, get_peft_config
 
 from hfl3.data.chat import write_chat_jsonl
 from hfl3.provenance import push_folder_to_hub
-from hfl3.trainers import flags
+from hfl3.trainers import flag_checks, flags
 from hfl3.errors import InputError
 from hfl3.provenance.portable import is_secret
 from hfl3.trainers.arguments import launch_arguments, parse_recipe_args, parsed_secrets
@@ -186,7 +186,7 @@ def test_the_shipped_configs_give_no_flag_that_cannot_act(recipes, repo_root, na
     parser = recipes[recipe].make_parser()
     arguments = ["--config", str(repo_root / "recipes" / "configs" / name), "--use_cpu"]  # bf16 configs, on a CPU
     parsed = parser.parse_args_and_config(arguments)  # parsing only: no path is checked
-    flags.refuse_flags(recipe, parser.given_arguments(arguments), *parsed)
+    flag_checks.refuse_flags(recipe, parser.given_arguments(arguments), *parsed)
 
 
 class FakeApi:
@@ -301,10 +301,10 @@ def test_every_optimizer_setting_is_range_checked_in_one_line_before_any_work(re
     settings = sorted({field.name for cls in classes for field in dataclasses.fields(cls)
                        if field.init and OPTIMIZER_SETTING.search(field.name)} - set(NOT_OPTIMIZER_SETTINGS))
     assert "matrix_lr" in settings and "adam_beta2" in settings  # the guard: the pattern finds them
-    assert sorted(set(settings) - set(flags.OPTIMIZER_BOUNDS)) == [], "an optimizer setting without bounds"
+    assert sorted(set(settings) - set(flag_checks.OPTIMIZER_BOUNDS)) == [], "an optimizer setting without bounds"
     base = recipe_arguments(recipe, repo_root, inputs, tmp_path / "out")
     for name in settings:
-        bounds = flags.OPTIMIZER_BOUNDS[name]
+        bounds = flag_checks.OPTIMIZER_BOUNDS[name]
         for value in out_of_range(bounds):
             line = parse_error(recipes[recipe], [*base, f"--{name}", str(value)], capsys)
             assert line.startswith(f"{name}={value}: expected {bounds.expected}"), line

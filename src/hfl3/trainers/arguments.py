@@ -42,7 +42,8 @@ from hfl3.evaluate import check_core_bundle
 from hfl3.evaluate.chat_callback import check_chatcore_setup
 from hfl3.provenance.hub import is_hub_id
 from hfl3.provenance.portable import REDACTED, is_secret, redact
-from hfl3.trainers.flags import OPTIMIZER_BOUNDS, check_model_flags, refuse_flags, with_choices
+from hfl3.trainers.base_model import check_model_flags
+from hfl3.trainers.flag_checks import OPTIMIZER_BOUNDS, refuse_flags, with_choices
 from hfl3.trainers.inputs import (MODEL, MODEL_FILES, TOKENIZER, TOKENIZER_FILES, check_corpus, check_file,
                                  check_hub_repo, check_model_folder, check_pretrained, check_sft_dataset,
                                  check_tokenizer_folder)
@@ -255,7 +256,7 @@ def decide_evaluation(training_args, has_eval_data: bool, resuming: bool) -> Eva
         ValueError: an evaluation strategy, best-model loading or step-0 evaluation asked for without evaluation
             data; early stopping without evaluation (data, a strategy other than `no`, and best-model loading). A
             value the configuration chose for the user that the message names is said to be one (`hfl3_choices`,
-            `hfl3.trainers.flags.with_choices`).
+            `hfl3.trainers.flag_checks.with_choices`).
     """
     strategy = IntervalStrategy(training_args.eval_strategy)
     choices = getattr(training_args, "hfl3_choices", {})  # values a refusal must say hfl3 chose (ChatSFTConfig)
@@ -337,7 +338,7 @@ def check_sft_inputs(script_args, training_args, model_args, given: frozenset[st
 def check_sft_model(model_args, training_args) -> None:
     """The SFT recipe's model (`check_model_folder`, a GGUF file, or a Hub id), its tokenizer (with a chat template
     unless `--chat_template_path`: `check_tokenizer_folder`) and the flags that act on some models only
-    (`hfl3.trainers.flags.check_model_flags`), before any data is read. Raises `ValueError` (one line)."""
+    (`hfl3.trainers.base_model.check_model_flags`), before any data is read. Raises `ValueError` (one line)."""
     if training_args.chat_template_path:
         check_file("chat_template_path", training_args.chat_template_path, "a Jinja chat template file (applied "
                    "before tokenization)", suffixes=(".jinja", ".j2"))

@@ -1,6 +1,7 @@
 """The base model of LoRA SFT, loaded as TRL's `trl sft` loads it, quantized by bitsandbytes for QLoRA: the checks
 of the quantization arguments (`check_quantization_arguments`, before any work), the load (`load_base_model`), what a
-quantized base records (`quantization_metadata`) and the merge of an adapter into it (`merge_adapter`).
+quantized base records (`quantization_metadata`), the merge of an adapter into it (`merge_adapter`), and the SFT flags
+that act on some models only, checked against the model's config (`check_model_flags`).
 
 What TRL 1.16 does, and so hfl3: `trl/scripts/sft.py` builds `from_pretrained`'s keyword arguments from `--dtype`,
 `--attn_implementation`, `--model_revision` and `--trust_remote_code`, then updates them with `--model_init_kwargs`
@@ -296,3 +297,68 @@ def merge_adapter(model: PeftModel) -> PreTrainedModel:
     dense = get_peft_model(base, peft_config, adapter_name=adapter_name)
     set_peft_model_state_dict(dense, adapter_weights, adapter_name=adapter_name)
     return dense.merge_and_unload()
+
+
+def check_model_flags(model_args, training_args) -> None:
+    """The SFT flags that act only on some models, checked against the model's config (read, no weight), while the
+    arguments are checked: `--router_aux_loss_coef` (TRL weighs a Mixture-of-Experts model's router loss; the config
+    must declare `output_router_logits`), and `--lora_target_modules` on a copy of the model built on the meta
+    device: a list of names as PEFT matches them (a name, or the end of a dotted name), one value with
+    regular-expression syntax as TRL and PEFT take it (matched against whole module names), each module matched of a
+    kind LoRA adapts (`torch.nn.Linear`, `Embedding`, `Conv1d/2d/3d`, transformers' `Conv1D`); `all-linear` is
+    PEFT's own.
+
+    Raises:
+        ValueError: one line naming the flag, its value, the model and what it could be instead.
+    """
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from transformers.integrations import deepspeed as hf_deepspeed
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+    from transformers.pytorch_utils import Conv1D
+    from trl import get_peft_config
+
+    targets, model = model_args.lora_target_modules, model_args.model_name_or_path
+    lora = model_args.use_peft and targets not in (None, "all-linear")
+    if not (lora or training_args.router_aux_loss_coef):
+        return
+    trust = training_args.trust_remote_code
+    options = {"trust_remote_code": trust, "revision": model_args.model_revision, "gguf_file": model_args.gguf_file}
+    # Under ZeRO-3 the DeepSpeed config that accelerate or the arguments set (transformers keeps it behind a weak
+    # reference; no public getter returns the object) makes `from_config` partition the model (zero.Init), which a
+    # meta-device copy cannot be: the copy is built without it, and the config is set back
+    reference = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    zero_config = reference() if reference is not None else None
+    if zero_config is not None:
+        unset_hf_deepspeed_config()
+    try:
+        config = AutoConfig.from_pretrained(model, **{k: v for k, v in options.items() if v is not None})
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config, trust_remote_code=trust) if lora else None
+    except Exception as error:  # noqa: BLE001 (what transformers raises for a config it cannot build)
+        raise ValueError(f"--model_name_or_path {model}: transformers cannot build the model from its config "
+                         f"({str(error).splitlines()[0]}); fix its config.json") from None
+    finally:
+        if zero_config is not None:
+            set_hf_deepspeed_config(zero_config)
+    if training_args.router_aux_loss_coef and not hasattr(config.get_text_config(), "output_router_logits"):
+        raise ValueError(f"--router_aux_loss_coef {training_args.router_aux_loss_coef:g}: {model} is not a "
+                         "Mixture-of-Experts model (its config has no output_router_logits), so there is no router "
+                         "loss to weigh; leave --router_aux_loss_coef out")
+    if not lora:
+        return
+    peft_config = get_peft_config(model_args)
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
+    matched = [(name, module) for name, module in meta.named_modules()
+               if check_target_module_exists(peft_config, name)]
+    shown = targets if isinstance(targets, str) else " ".join(targets)
+    how = "a regular expression matched against whole module names (one value, as TRL takes it)" if isinstance(
+        targets, str) else "module names, each matching a name or the end of a dotted name"
+    if not matched:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in meta.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        raise ValueError(f"--lora_target_modules {shown}: {how}; matches no module of {model}, whose linear layers "
+                         f"are named {', '.join(linear[:12])}; or pass all-linear")
+    for name, module in matched:
+        if not isinstance(module, kinds):
+            raise ValueError(f"--lora_target_modules {shown}: {how}; matches {name}, a {type(module).__name__}, "
+                             "which LoRA cannot adapt (it adapts Linear, Embedding and Conv layers)")

@@ -8,25 +8,20 @@ that silently does nothing.
 
 A refused field is refused only when the user set it (on the command line or in the `--config` file) to a value
 other than its `Refusal.accepted` ones (what the recipe does anyway). An honoured field that acts only with another
-setting is in `NEEDS`: given without that setting, it is refused too. `refuse_flags` runs both checks, first among
-a recipe's checks (`hfl3.trainers.arguments.check_pretrain_inputs`, `check_sft_inputs`); `check_model_flags` checks
-the SFT flags that act on some models only against the model's config, with the model folder's checks.
-`OPTIMIZER_BOUNDS`: the range of every learning rate, weight decay, momentum, epsilon and fraction of an optimizer
-group, refused outside it by each argument class's `__post_init__` (`check_training_arguments`).
+setting is in `NEEDS`: given without that setting, it is refused too. These are the tables; the checks that read
+them are `hfl3.trainers.flag_checks` (`refuse_flags`, and the range of every optimizer setting,
+`OPTIMIZER_BOUNDS`); the SFT flags that act on some models only are checked against the model's config by
+`hfl3.trainers.base_model.check_model_flags`.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 from transformers.utils import is_liger_kernel_available
 
 from hfl3.optim.settings import GroupLearningRates
-from hfl3.provenance.portable import REDACTED, is_secret
 
 RECIPES = ("pretrain", "sft_lora")
 
@@ -49,64 +44,6 @@ class Needs:
     setting: str
     holds: Callable[[Mapping], bool]
     fix: str | None = None
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The values an optimizer setting may take (`OPTIMIZER_BOUNDS`): above `low` (or equal to it with `low_closed`)
-    and below `high` (or equal with `high_closed`); NaN never. A field whose default is None may be None.
-
-    Attributes:
-        expected: what the one-line refusal says is expected (`name=value: expected EXPECTED (WHY); e.g. --name
-            EXAMPLE`).
-        why: what a value outside does.
-        example: a value in the range (the usual one).
-    """
-
-    low: float
-    high: float = math.inf
-    low_closed: bool = False
-    high_closed: bool = False
-    expected: str = ""
-    why: str = ""
-    example: str = ""
-
-    def holds(self, value: float) -> bool:
-        above = value >= self.low if self.low_closed else value > self.low
-        below = value <= self.high if self.high_closed else value < self.high
-        return above and below  # False for NaN
-
-
-_LR = "0 trains nothing, a negative rate climbs the loss"
-_MOMENTUM = "torch's AdamW refuses others: 1 or more never forgets a gradient, and the moments grow without bound"
-
-
-def _group_lr(example: float) -> Bounds:
-    return Bounds(0, expected="a positive learning rate", why=_LR, example=f"{example:g}")
-
-
-OPTIMIZER_BOUNDS: dict[str, Bounds] = {
-    "learning_rate": Bounds(0, expected="a positive learning rate", why=_LR, example="3e-4"),
-    **{item.name: _group_lr(item.default if item.default is not None else GroupLearningRates.embedding_lr)
-       for item in fields(GroupLearningRates)},
-    "weight_decay": Bounds(0, low_closed=True, expected="a weight decay of 0 or more", why="a negative decay grows "
-                           "the weights", example="0.1"),
-    "adam_beta1": Bounds(0, 1, low_closed=True, expected="a momentum coefficient in [0, 1)", why=_MOMENTUM,
-                         example="0.9"),
-    "adam_beta2": Bounds(0, 1, low_closed=True, expected="a momentum coefficient in [0, 1)", why=_MOMENTUM,
-                         example="0.95"),
-    "adam_epsilon": Bounds(0, low_closed=True, expected="an epsilon of 0 or more", why="it keeps AdamW's division "
-                           "by the second moment away from 0; torch refuses a negative one", example="1e-8"),
-    "warmdown_ratio": Bounds(0, 1, True, True, expected="a fraction of the steps in [0, 1]", why="the share of "
-                             "the steps in the final linear warmdown", example="0.2"),
-    "final_lr_frac": Bounds(0, 1, True, True, expected="a fraction of the group LRs in [0, 1]", why="the LR at the "
-                            "end of the warmdown; below 0 it climbs the loss", example="0"),
-    "init_lr_frac": Bounds(0, 1, high_closed=True, expected="a fraction of the group LRs in (0, 1]", why="the LRs "
-                           "start at this fraction of the group LRs; 0 trains nothing", example="0.8"),
-}
-"""Every learning rate, weight decay, momentum coefficient, epsilon and fraction of an optimizer group that a recipe
-takes, with its range (`hfl3.trainers.arguments.check_training_arguments` refuses a value outside; `tests/test_flags.py` finds every such
-field of the recipes' argument classes in this table). A Muon group LR of 0 is refused like `--learning_rate 0`."""
 
 
 def _accelerator() -> bool:
@@ -487,117 +424,3 @@ NEEDS: dict[str, dict[str, Needs]] = {
 """Per recipe: honoured fields that act only with another setting; given without it, they are refused."""
 
 
-def _shown(value, name: str = "") -> str:
-    """`value` as a refusal quotes it; `<redacted>` for a field that holds a credential (`is_secret`)."""
-    if is_secret(name):
-        return REDACTED
-    value = getattr(value, "value", value)
-    if isinstance(value, (list, tuple)):
-        return " ".join(map(str, value))
-    if isinstance(value, float):
-        return f"{value:g}"
-    return json.dumps(value) if isinstance(value, dict) else str(value)
-
-
-def with_choices(message: str, choices: Mapping[str, str]) -> str:
-    """`message` (a refusal; one line) followed by the note of each value in `choices` it names (`{field: note}`: a
-    value hfl3 chose for the user, and the flag that changes it, e.g. `ChatSFTConfig.hfl3_choices`), so that a
-    refusal never blames a flag the user did not set. A field counts as named by its name, or by its words (`eval
-    strategy`, `evaluation strategy` for `eval_strategy`), as transformers' messages write them."""
-    line = " ".join(message.split())
-    named = [note for name, note in choices.items()
-             if re.search("|".join(re.escape(form) for form in {name, name.replace("_", " "),
-                                                                 name.replace("eval_", "evaluation ").replace("_", " ")}),
-                          line, re.IGNORECASE)]
-    return f"{line} ({'; '.join(named)})" if named else line
-
-
-def refuse_flags(recipe: str, given: frozenset[str], *parsed) -> None:
-    """Refuse the fields of `recipe` (`RECIPES`) that were `given` (set on the command line or in the `--config`
-    file) and cannot act: a `REFUSED` field with a value other than its accepted ones, a `NEEDS` field without what
-    it needs. Call it first among the recipe's checks, before any file is read or written.
-
-    Args:
-        recipe: "pretrain" or "sft_lora".
-        given: the names of the fields the user set (`RecipeParser.given_arguments`).
-        parsed: the recipe's parsed argument dataclasses.
-
-    Raises:
-        ValueError: `--FIELD VALUE: why; the fix`, for the first such field in the tables' order (VALUE
-            `<redacted>` for a credential, `hfl3.provenance.portable.is_secret`).
-    """
-    values = {item.name: getattr(arguments, item.name) for arguments in parsed for item in fields(arguments)}
-    for name, refusal in REFUSED[recipe].items():
-        if name in given and getattr(values[name], "value", values[name]) not in refusal.accepted:
-            raise ValueError(f"--{name} {_shown(values[name], name)}: {refusal.reason}")
-    for name, needs in NEEDS[recipe].items():
-        if name in given and not needs.holds(values):
-            fix = (needs.fix or "add it, or leave --{name} out").format(name=name)
-            raise ValueError(f"--{name} {_shown(values[name], name)}: acts only with {needs.setting}; {fix}")
-
-
-def check_model_flags(model_args, training_args) -> None:
-    """The SFT flags that act only on some models, checked against the model's config (read, no weight), while the
-    arguments are checked: `--router_aux_loss_coef` (TRL weighs a Mixture-of-Experts model's router loss; the config
-    must declare `output_router_logits`), and `--lora_target_modules` on a copy of the model built on the meta
-    device: a list of names as PEFT matches them (a name, or the end of a dotted name), one value with
-    regular-expression syntax as TRL and PEFT take it (matched against whole module names), each module matched of a
-    kind LoRA adapts (`torch.nn.Linear`, `Embedding`, `Conv1d/2d/3d`, transformers' `Conv1D`); `all-linear` is
-    PEFT's own.
-
-    Raises:
-        ValueError: one line naming the flag, its value, the model and what it could be instead.
-    """
-    import torch
-    from peft.tuners.tuners_utils import check_target_module_exists
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.integrations import deepspeed as hf_deepspeed
-    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
-    from transformers.pytorch_utils import Conv1D
-    from trl import get_peft_config
-
-    targets, model = model_args.lora_target_modules, model_args.model_name_or_path
-    lora = model_args.use_peft and targets not in (None, "all-linear")
-    if not (lora or training_args.router_aux_loss_coef):
-        return
-    trust = training_args.trust_remote_code
-    options = {"trust_remote_code": trust, "revision": model_args.model_revision, "gguf_file": model_args.gguf_file}
-    # Under ZeRO-3 the DeepSpeed config that accelerate or the arguments set (transformers keeps it behind a weak
-    # reference; no public getter returns the object) makes `from_config` partition the model (zero.Init), which a
-    # meta-device copy cannot be: the copy is built without it, and the config is set back
-    reference = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
-    zero_config = reference() if reference is not None else None
-    if zero_config is not None:
-        unset_hf_deepspeed_config()
-    try:
-        config = AutoConfig.from_pretrained(model, **{k: v for k, v in options.items() if v is not None})
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config, trust_remote_code=trust) if lora else None
-    except Exception as error:  # noqa: BLE001 (what transformers raises for a config it cannot build)
-        raise ValueError(f"--model_name_or_path {model}: transformers cannot build the model from its config "
-                         f"({str(error).splitlines()[0]}); fix its config.json") from None
-    finally:
-        if zero_config is not None:
-            set_hf_deepspeed_config(zero_config)
-    if training_args.router_aux_loss_coef and not hasattr(config.get_text_config(), "output_router_logits"):
-        raise ValueError(f"--router_aux_loss_coef {training_args.router_aux_loss_coef:g}: {model} is not a "
-                         "Mixture-of-Experts model (its config has no output_router_logits), so there is no router "
-                         "loss to weigh; leave --router_aux_loss_coef out")
-    if not lora:
-        return
-    peft_config = get_peft_config(model_args)
-    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
-    matched = [(name, module) for name, module in meta.named_modules()
-               if check_target_module_exists(peft_config, name)]
-    shown = targets if isinstance(targets, str) else " ".join(targets)
-    how = "a regular expression matched against whole module names (one value, as TRL takes it)" if isinstance(
-        targets, str) else "module names, each matching a name or the end of a dotted name"
-    if not matched:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, module in meta.named_modules()
-                         if isinstance(module, torch.nn.Linear)})
-        raise ValueError(f"--lora_target_modules {shown}: {how}; matches no module of {model}, whose linear layers "
-                         f"are named {', '.join(linear[:12])}; or pass all-linear")
-    for name, module in matched:
-        if not isinstance(module, kinds):
-            raise ValueError(f"--lora_target_modules {shown}: {how}; matches {name}, a {type(module).__name__}, "
-                             "which LoRA cannot adapt (it adapts Linear, Embedding and Conv layers)")

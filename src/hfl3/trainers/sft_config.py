@@ -14,7 +14,7 @@ from trl import ModelConfig, SFTConfig
 
 from hfl3.evaluate.chat_callback import ChatCoreArguments, check_chatcore_arguments
 from hfl3.trainers.arguments import check_training_arguments
-from hfl3.trainers.flags import with_choices
+from hfl3.trainers.flag_checks import with_choices
 from hfl3.trainers.launch import ProcessGroupTimeout
 from hfl3.trainers.optimizers import MuonTrainingArguments
 
@@ -120,7 +120,7 @@ class ChatSFTConfig(ProcessGroupTimeout, ChatCoreArguments, MuonTrainingArgument
             with a log line saying why (`best_model_problem`: `--save_strategy no`, a `save_steps` given alone
             against epoch evaluations); metric_for_best_model: "eval_loss".
     A refusal that involves a value chosen here (`hfl3_choices`) says so and names the flag that changes it
-    (`hfl3.trainers.flags.with_choices`).
+    (`hfl3.trainers.flag_checks.with_choices`).
         save_total_limit: 2 (the best and the latest checkpoint survive).
         eval_on_start: None -> True when there is evaluation data and the run does not resume
             (`hfl3.trainers.arguments.decide_evaluation`); reported as `eval_before_*`
