@@ -198,6 +198,9 @@ def test_throughput_window_skips_warmup_and_leaves_out_evaluation_and_saves(monk
     assert throughput.add_to(logs := {"eval_loss": 1.0}, state, 1) is None and logs == {"eval_loss": 1.0}
     throughput.start()
     assert log(5, 600) == {}  # t=60: a new train() opens a new window
+    for bad in ({"warmup_steps": -1}, {"flops_per_token": 0.0}, {"peak_flops": float("nan")}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}="):
+            ThroughputConfig(**bad)
 
 
 def test_the_recorder_sees_the_syncs_transformers_would_make(rows, tmp_path):

@@ -246,11 +246,21 @@ class ThroughputConfig:
             compilation).
         peak_flops: dense bf16 peak FLOP/s of one device (default: `peak_flops_per_second()`, None on a CPU or an
             unknown GPU: no `mfu`).
+
+    Raises:
+        ValueError: a negative `warmup_steps`, or a `flops_per_token` or `peak_flops` that is not positive.
     """
 
     flops_per_token: float | None = None
     warmup_steps: int = 10
     peak_flops: float | None = field(default_factory=peak_flops_per_second)
+
+    def __post_init__(self):
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps}: expected >= 0 (training logs without a throughput)")
+        for name in ("flops_per_token", "peak_flops"):
+            if (value := getattr(self, name)) is not None and not value > 0:
+                raise ValueError(f"{name}={value}: expected a positive number of FLOPs, or None (no mfu)")
 
 
 class Throughput:

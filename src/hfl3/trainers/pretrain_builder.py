@@ -108,11 +108,11 @@ def build_trainer(model: L3GPTForCausalLM, training_args: PretrainConfig, train_
                   output: OutputFolder | None = None, sample_prompts: Sequence[str] = (), core_bundle=None,
                   callbacks: Sequence[TrainerCallback] = ()) -> PretrainTrainer:
     """The recipe's `PretrainTrainer` around `model`: `PackedCollator` (BOS of `tokenizer`, else `bos_token_id`),
-    bits-per-byte evaluation on `eval_rows` (`(rows, max_length)` token ids; needs `tokenizer`), the throughput
-    at `flops_per_token` (`ThroughputConfig`: training FLOPs per token; None: no MFU), greedy samples of `sample_prompts` at evaluation (not under
-    ZeRO-3), the CORE metric every `--core_metric_every` steps with `core_bundle`, and `callbacks` (a benchmark's
-    clock). `train_dataset`: the recipe's `PackedStream`, or packed rows (`datasets.Dataset` of `input_ids`).
-    `output`: the output folder the recipe's arguments resolved (`RunSetup.output`)."""
+    bits-per-byte evaluation on `eval_rows` (`(rows, max_length)` token ids; needs `tokenizer`), the throughput at
+    `flops_per_token` (`ThroughputConfig`: training FLOPs per token; None: no MFU), greedy samples of `sample_prompts`
+    at evaluation (not under ZeRO-3), the CORE metric every `--core_metric_every` steps with `core_bundle`, and
+    `callbacks` (a benchmark's clock). `train_dataset`: the recipe's `PackedStream`, or packed rows (`datasets.Dataset`
+    of `input_ids`). `output`: the output folder the recipe's arguments resolved (`RunSetup.output`)."""
     bos = tokenizer.bos_token_id if tokenizer is not None else bos_token_id
     evaluating = eval_rows is not None and len(eval_rows) > 0
     trainer = PretrainTrainer(
