@@ -7,8 +7,8 @@ Arms (each in a fresh process, so compile caches and peak memory are its own):
   model.zero_grad(set_to_none=True)`. Its attention is FA3 when its loader can fetch the kernel from the Hub, else
   its SDPA fallback (the case on an offline machine; the arm reports which).
 - `hfl3`: the recipe's path: the model and `PretrainTrainer` (HF Trainer) from `hfl3.trainers.pretrain_builder`
-  (`build_model`, `build_trainer`: `MuonAdamW`, `PackedCollator`, `ThroughputCallback`), bf16 autocast on CUDA,
-  `torch_compile` as asked.
+  (`build_model`, `build_trainer`: `MuonAdamW`, `PackedCollator`, the throughput of `hfl3.trainers.metrics`), bf16
+  autocast on CUDA, `torch_compile` as asked.
 - `hfl3_l3`: the same with one L3 layer after layer `depth // 2 - 1` (LZW allocation of the token stream).
 - `hfl3_legacy`: the same dense model without nanochat master's value embeddings, smear and backout
   (`LEGACY_FIELD_VALUES`, the core before them), for the question whether the new core costs tokens/s.
@@ -35,7 +35,7 @@ host paces the step), and from `--profile_steps` steps profiled after the window
 time (`busy ms`: its kernels, copies and fills; `ms/step` minus it is the time the device waits for the host), host
 syncs and copies, memsets and device-to-device copies per step. tok/s = window tokens / window seconds. `first_step_seconds` (start of training to the end
 of step 1) is where compilation happens: minus one window step, it is the compile time. MFU = tok/s × FLOPs/token /
-peak bf16 FLOP/s (`hfl3.callbacks.PEAK_BF16_FLOPS`; H100 SXM 989e12, also for the FP8 arms); FLOPs/token from
+peak bf16 FLOP/s (`hfl3.trainers.metrics.PEAK_BF16_FLOPS`; H100 SXM 989e12, also for the FP8 arms); FLOPs/token from
 `configuration_l3gpt.flops_per_token` for hfl3 (plus the L3 lookups) and from nanochat's own `estimate_flops()` for
 nanochat (both 6 × matmul params + 12·L·H·Q·T, PaLM appendix B). Peak memory: `torch.cuda.max_memory_allocated()`
 over the whole arm (build, warm-up and window).
@@ -413,7 +413,7 @@ def run_arm(args: VsNanochatArguments, arm: str) -> dict:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         result = run_nanochat(args) if arm == "nanochat" else run_hfl3(args, arm, scratch)
-    from hfl3.callbacks import peak_flops_per_second
+    from hfl3.trainers.metrics import peak_flops_per_second
 
     peak = peak_flops_per_second()
     result["tok_per_sec"] = args.steps * args.batch_size * args.seq_len / result["seconds"]

@@ -361,7 +361,6 @@ def test_training_evaluates_every_n_steps_and_at_the_end(saved_models, assets, t
     import datasets
 
     from hfl3 import L3GPTForCausalLM
-    from hfl3.callbacks import ThroughputCallback
     from hfl3.evaluate import CoreMetricCallback
     from hfl3.tokenization import load_tokenizer
     from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator
@@ -376,14 +375,17 @@ def test_training_evaluates_every_n_steps_and_at_the_end(saved_models, assets, t
                           eval_strategy="no", report_to="none", disable_tqdm=True, core_metric_every=2,
                           core_bundle_dir=str(BUNDLE))
     trainer = PretrainTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
-                           data_collator=PackedCollator(tokenizer.bos_token_id), processing_class=tokenizer,
-                           callbacks=[ThroughputCallback()])
+                           data_collator=PackedCollator(tokenizer.bos_token_id), processing_class=tokenizer)
     bundle = load_core_bundle(BUNDLE)
     core = CoreMetricCallback(trainer, bundle, every=2)
     trainer.add_callback(core)
+    excluded = []  # each evaluation's seconds, left out of the trainer's throughput window
+    exclude_time = trainer.step_metrics.throughput.exclude_time
+    trainer.step_metrics.throughput.exclude_time = lambda seconds: (excluded.append(seconds), exclude_time(seconds))
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "core_metric" in entry]
     assert [entry["step"] for entry in logged] == [2, 3]
+    assert len(excluded) == 2 and all(seconds > 0 for seconds in excluded)
     # the Trainer's own loss log of every step (logging_steps=1) survives the CORE log of the same step
     assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry] == [1, 2, 3]
     assert {key: logged[-1][key] for key in core.latest.metrics()} == core.latest.metrics()

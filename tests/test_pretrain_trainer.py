@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import TrainerCallback
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.callbacks import ThroughputCallback
 from hfl3.tokenization import train_tokenizer
+from hfl3.trainers.metrics import ThroughputConfig
 from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator
 from hfl3.trainers.pretrain_config import PretrainConfig
 
@@ -105,7 +105,7 @@ class LogReporter(TrainerCallback):
 
 
 def train(rows, tmp_path, l3_after_layers, optimizer, max_steps=7, logging_steps=3, attend_across_documents=True,
-          reporters=()):
+          reporters=(), throughput=ThroughputConfig(warmup_steps=1)):
     tokenizer, dataset = rows
     config = L3GPTConfig.from_depth(2, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
                                     max_position_embeddings=SEQ_LEN, l3_after_layers=l3_after_layers,
@@ -117,10 +117,9 @@ def train(rows, tmp_path, l3_after_layers, optimizer, max_steps=7, logging_steps
                           warmup_steps=1, disable_tqdm=True, dataloader_num_workers=0,
                           attend_across_documents=attend_across_documents)
     recorder, trainer_ref = SyncRecorder(), []
-    throughput = ThroughputCallback(warmup_steps=1)
     trainer = PretrainTrainer(model=model, args=args, train_dataset=dataset,
                            data_collator=PackedCollator(tokenizer.bos_token_id, attend_across_documents),
-                           callbacks=[*reporters, StepMarks(recorder, trainer_ref), throughput])
+                           callbacks=[*reporters, StepMarks(recorder, trainer_ref)], throughput=throughput)
     trainer_ref.append(trainer)
     trainer.add_callback(StepEnd(recorder))
     with recorder:
@@ -149,17 +148,59 @@ def test_no_device_sync_between_logs(rows, tmp_path, l3_after_layers, optimizer,
 
 def test_token_count_and_throughput_are_exact_without_per_step_sync(rows, tmp_path):
     reporter = LogReporter()
-    trainer, _ = train(rows, tmp_path, [], "adamw_torch", max_steps=7, logging_steps=3, reporters=[reporter])
+    throughput = ThroughputConfig(flops_per_token=1e6, warmup_steps=1, peak_flops=1e12)
+    trainer, _ = train(rows, tmp_path, [], "adamw_torch", max_steps=7, logging_steps=3, reporters=[reporter],
+                       throughput=throughput)
     assert trainer.state.num_input_tokens_seen == 7 * BATCH * SEQ_LEN
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["num_input_tokens_seen"] for entry in logged] == [3 * BATCH * SEQ_LEN, 6 * BATCH * SEQ_LEN]
     # the first log (step 3) opens the window; the second reports the tokens of steps 4–6 over its seconds
     assert "tok_per_sec" not in logged[0] and logged[1]["tok_per_sec"] > 0
-    # one throughput per log, also in what a callback given before ThroughputCallback reports (the Trainer runs the
-    # reporting integrations first); transformers' session average is left out, its elapsed time kept
+    # MFU of the FLOPs per token over the peak FLOP/s (one process), rounded as logged
+    assert logged[1]["mfu"] == round(100 * logged[1]["tok_per_sec"] * 1e6 / 1e12, 2)
+    # one throughput per log, in what every callback reports (`TrainerHooks.log` adds it before any callback runs:
+    # no callback order matters); transformers' session average is left out, its elapsed time kept
     reported = [entry for entry in reporter.logs if "loss" in entry]
-    assert reported[1]["tok_per_sec"] == logged[1]["tok_per_sec"] and all(e["train_runtime"] > 0 for e in reported)
+    assert reported[1]["tok_per_sec"] == logged[1]["tok_per_sec"] and reported[1]["mfu"] == logged[1]["mfu"]
+    assert all(e["train_runtime"] > 0 for e in reported)
     assert not any("train_tokens_per_second" in entry for entry in trainer.state.log_history + reporter.logs)
+    # the peak memory, a record of its own after the end-of-training log
+    assert trainer.state.log_history[-2]["train_loss"] > 0
+    assert trainer.state.log_history[-1].keys() == {"step", "peak_memory_gb"}
+    assert trainer.state.log_history[-1]["step"] == 7 and trainer.state.log_history[-1]["peak_memory_gb"] > 0
+
+
+def test_throughput_window_skips_warmup_and_leaves_out_evaluation_and_saves(monkeypatch):
+    """A log's window starts at the previous training log; windows that start before `warmup_steps` report nothing;
+    `exclude_time` (a callback's evaluation) and `restart_window` (the Trainer's evaluation or save) leave their
+    seconds out; logs without `loss` are left alone; `start` (a new `train()`) opens a new window."""
+    from types import SimpleNamespace
+
+    from hfl3.trainers import metrics
+
+    clock = iter([0.0, 10.0, 20.0, 32.0, 50.0, 60.0, 70.0])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    throughput = metrics.Throughput(ThroughputConfig(flops_per_token=2.0, warmup_steps=2, peak_flops=100.0))
+    state = SimpleNamespace(num_input_tokens_seen=0, global_step=0)
+
+    def log(step, tokens, **extra):
+        state.global_step, state.num_input_tokens_seen = step, tokens
+        logs = {"loss": 1.0, **extra}
+        throughput.add_to(logs, state, world_size=2)
+        return {key: value for key, value in logs.items() if key in ("tok_per_sec", "mfu")}
+
+    assert log(1, 100) == {}  # t=0: opens the window
+    assert log(2, 200) == {}  # t=10: the window began at step 1 < warmup_steps
+    throughput.exclude_time(4.0)  # 4 of the next seconds were a CORE evaluation
+    assert log(3, 300) == {"tok_per_sec": 16.7, "mfu": 16.7}  # t=20: 100 tokens over 6 s; 16.7 × 2 / (100 × 2)
+    throughput.restart_window()  # t=32: an evaluation or a save ended
+    assert log(4, 480) == {"tok_per_sec": 10.0, "mfu": 10.0}  # t=50: 180 tokens over 18 s
+    assert throughput.add_to(logs := {"eval_loss": 1.0}, state, 1) is None and logs == {"eval_loss": 1.0}
+    throughput.start()
+    assert log(5, 600) == {}  # t=60: a new train() opens a new window
+    for bad in ({"warmup_steps": -1}, {"flops_per_token": 0.0}, {"peak_flops": float("nan")}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}="):
+            ThroughputConfig(**bad)
 
 
 def test_the_recorder_sees_the_syncs_transformers_would_make(rows, tmp_path):

@@ -326,6 +326,32 @@ def test_training_metrics_survive_a_last_partial_batch(tmp_path, tokenizers, pac
     assert len(accuracies) == math.ceil(len(rows) / 3) and all(0 <= a <= 1 for a in accuracies)
 
 
+@pytest.mark.parametrize("count_tokens", [False, True])
+def test_sft_logs_its_throughput_when_the_trainer_counts_input_tokens(tmp_path, tokenizers, count_tokens):
+    """SFT keeps its logs' keys (TRL's `num_tokens`, the accuracy, transformers' session `train_tokens_per_second`)
+    and adds `tok_per_sec` to a training log when input tokens are counted (`--include_num_input_tokens_seen`; off
+    by default: transformers' count reads the device after every micro-batch), and the peak memory at the end."""
+    from hfl3.trainers.metrics import ThroughputConfig
+
+    tokenizer = tokenizers["l3gpt"]
+    data_file = write_chat_jsonl(chats("good", 5, seed=0) + chats("night", 5, seed=2), tmp_path / "d.jsonl")
+    data = load_sft_data(tokenizer, data_file, val_split=0.3, seed=0, max_length=64)
+    args = ChatSFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, num_train_epochs=1,
+                         eval_strategy="no", load_best_model_at_end=False, save_strategy="no", max_length=64,
+                         logging_steps=1, report_to="none", disable_tqdm=True, seed=0,
+                         include_num_input_tokens_seen=count_tokens)
+    trainer = ChatSFTTrainer(model=tiny_l3gpt(tokenizer), args=args, train_dataset=data.train,
+                             processing_class=tokenizer, peft_config=lora(alpha=16),
+                             throughput=ThroughputConfig(warmup_steps=0))
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 3 and all("num_tokens" in e and "mean_token_accuracy" in e for e in logged)
+    assert [("tok_per_sec" in e, "train_tokens_per_second" in e) for e in logged] == \
+        [(False, count_tokens)] + [(count_tokens, count_tokens)] * 2  # the first log opens the window
+    assert all(e["tok_per_sec"] > 0 for e in logged if "tok_per_sec" in e) and not any("mfu" in e for e in logged)
+    assert trainer.state.log_history[-1].keys() == {"step", "peak_memory_gb"}
+
+
 @pytest.mark.parametrize("max_length, warned", [(128, False), (256, True)])
 def test_max_length_beyond_the_trained_positions_is_warned(tmp_path, l3gpt_folder, caplog, sft_recipe, max_length,
                                                             warned):

@@ -82,8 +82,8 @@ class CoreMetricCallback(TrainerCallback):
     the log history and every `report_to` integration); `latest` holds the last `CoreResults`.
 
     Like TRL's callbacks that log, it is given the trainer: `trainer.add_callback(CoreMetricCallback(trainer, ...))`.
-    The evaluation's time is left out of the tokens per second of any callback that has `exclude_time(seconds)`
-    (`hfl3.callbacks.ThroughputCallback`).
+    The evaluation's time is left out of the trainer's tokens per second when it keeps them (hfl3's trainers:
+    `trainer.step_metrics.throughput.exclude_time(seconds)`, `hfl3.trainers.metrics.Throughput`).
     """
 
     def __init__(self, trainer, bundle: CoreBundle, every: int, batch_tokens: int = DEFAULT_BATCH_TOKENS):
@@ -121,7 +121,7 @@ class CoreMetricCallback(TrainerCallback):
         if trainer.is_world_process_zero():
             logger.info("step %d: CORE %.4f", trainer.state.global_step, self.latest.core_metric)
         trainer.log(self.latest.metrics())
-        for callback in trainer.callback_handler.callbacks:  # a throughput clock (no import of the layer above)
-            if callable(exclude := getattr(callback, "exclude_time", None)):
-                exclude(time.perf_counter() - started)
+        step_metrics = getattr(trainer, "step_metrics", None)  # hfl3's trainers (no import of the layer above)
+        if step_metrics is not None:
+            step_metrics.throughput.exclude_time(time.perf_counter() - started)
         return self.latest

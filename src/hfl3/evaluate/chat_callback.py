@@ -168,6 +168,9 @@ class ChatCoreCallback(TrainerCallback):
             shown = f"{self.latest.chatcore:.4f}" if self.latest.chatcore is not None else "n/a"
             logger.info("step %d: ChatCORE %s (%.1f s)", trainer.state.global_step, shown,
                         time.perf_counter() - started)
+        step_metrics = getattr(trainer, "step_metrics", None)  # hfl3's trainers (no import of the layer above)
+        if step_metrics is not None:  # left out of the throughput window, as CoreMetricCallback's
+            step_metrics.throughput.exclude_time(time.perf_counter() - started)
         return self.latest
 
     def evaluate_and_log(self) -> None:

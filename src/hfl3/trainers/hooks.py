@@ -7,14 +7,15 @@ lines around `super()` that hand the work to what the trainer holds:
 
 | hook | what it adds |
 |---|---|
-| `__init__` | the trainer's own `hand_over_arguments` first, the push taken over (uploaded once at the end), then after the Trainer's: the output folder's state, Muon's refusal of what it cannot run under, the NaN/inf check, the trainer's own `set_up` |
-| `train` | the output folder and resume checkpoint resolved and checked (`run_folder.start_run`), and after it the best model to every machine (`end_run`) |
+| `__init__` | the trainer's own `hand_over_arguments` first, the push taken over (uploaded once at the end), then after the Trainer's: the output folder's state, the step metrics (`metrics.StepMetrics`, with the throughput's config), Muon's refusal of what it cannot run under, the NaN/inf check, the trainer's own `set_up` |
+| `train` | the output folder and resume checkpoint resolved and checked (`run_folder.start_run`), a new throughput window, and after it the peak memory record (`metrics.Throughput`) and the best model to every machine (`end_run`) |
 | `get_batch_samples` | a finished run trains nothing more; a streamed batch's state into `data_progress`, tensors copied without blocking |
 | `training_step` | the loss tallied and checked for NaN/inf on the device (`metrics.StepMetrics`) |
 | `_get_grad_norm` (private, pinned) | the pre-clipping gradient norm checked on the device |
-| `log` | metrics the trainer gathered since the last log (`micro_batch_metrics`), the session throughput left out where the trainer says so, the run's loss and whole-run figures after a resume (`run_folder.whole_run_log`) |
+| `log` | metrics the trainer gathered since the last log (`micro_batch_metrics`), the session throughput left out where the trainer says so, the training log's `tok_per_sec` and `mfu` (`metrics.Throughput`, before any callback or reporting integration sees the log), the run's loss and whole-run figures after a resume (`run_folder.whole_run_log`) |
+| `evaluate` | hfl3 FP8 layers run in high precision; the throughput window restarts after it |
 | `create_optimizer_and_scheduler`, `create_optimizer`, `create_scheduler` | MuonAdamW or the Trainer's optimizer, scaled, warm-started; the WSD schedule's steps (`hfl3.trainers.optimizers`) |
-| `_save_checkpoint` (private, pinned) | the staged checkpoint, renamed when whole (`run_folder.save_checkpoint`) |
+| `_save_checkpoint` (private, pinned) | the staged checkpoint, renamed when whole (`run_folder.save_checkpoint`); the throughput window restarts after it |
 | `save_model`, `create_model_card`, `save_metrics`, `save_state` | no `training_args.bin`, provenance and card on every saved folder, local paths out of the saved results |
 
 What each trainer adds it defines once, in its own class: `hand_over_arguments` and `set_up` (around the Trainer's
@@ -36,12 +37,12 @@ import torch
 from accelerate.utils import DistributedType
 from transformers.trainer_utils import speed_metrics
 
+from hfl3 import fp8
 from hfl3.atomic import write_json_atomic
-from hfl3.callbacks import save_loss_png
 from hfl3.data.streaming import DATA_STATE_KEY
 from hfl3.provenance import portable
 from hfl3.trainers import optimizers, run_folder
-from hfl3.trainers.metrics import NonFiniteCheck, StepMetrics
+from hfl3.trainers.metrics import NonFiniteCheck, StepMetrics, ThroughputConfig, save_loss_png
 from hfl3.trainers.outputs import OutputFolder
 
 logger = logging.getLogger(__name__)
@@ -58,13 +59,16 @@ class TrainerHooks:
             resolves it once, the same way, from `args.output_dir` and its `resume_from_checkpoint` argument.
         optimizer_state: a file `hfl3.optim.state_file.save_optimizer_state` wrote, to warm-start the optimizer from.
         provenance: a `build_metadata` dict stamped into every saved folder, or None (nothing stamped).
+        throughput: what each training log's `tok_per_sec` and `mfu` are computed from (default `ThroughputConfig()`:
+            no FLOPs per token, so no `mfu`).
 
     `TrainingArguments.push_to_hub` is taken over at construction: the Trainer would otherwise upload unfinished
     checkpoint folders and re-save the model into `output_dir`; `push_output()` uploads the committed folder once, at
     the end (`hub_strategy` "end"), with the same `hub_model_id`, `hub_private_repo`, `hub_token` and `hub_revision`.
 
     Attributes:
-        step_metrics: what each step records without a device sync (`hfl3.trainers.metrics.StepMetrics`).
+        step_metrics: what each step records without a device sync, and the throughput of each training log
+            (`hfl3.trainers.metrics.StepMetrics`).
         run_totals: the resumed checkpoint's `{"train_loss_sum", "train_runtime", "global_step"}`, zeros when the run
             started from scratch.
         data_progress: a streamed training dataset's progress (`hfl3.data.streaming.StreamProgress`), else None.
@@ -73,15 +77,16 @@ class TrainerHooks:
     """
 
     drops_session_throughput = False
-    """True: a training log carries no `train_tokens_per_second` of this `train()` call (the trainer's own
-    throughput callback reports it)."""
+    """True: a training log carries no `train_tokens_per_second` of this `train()` call (its one throughput is
+    `tok_per_sec`, `hfl3.trainers.metrics.Throughput`)."""
     batches_to_device = False
     """True: `get_batch_samples` copies each batch's tensors to the device itself, without blocking."""
     data_progress = None
     provenance: dict | None = None  # read by `create_model_card` and `save_model` whenever they run
 
     def __init__(self, *args, output_folder: OutputFolder | None = None,
-                 optimizer_state: str | os.PathLike | None = None, provenance: dict | None = None, **kwargs):
+                 optimizer_state: str | os.PathLike | None = None, provenance: dict | None = None,
+                 throughput: ThroughputConfig | None = None, **kwargs):
         args, kwargs = self.hand_over_arguments(args, kwargs)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         self.push_at_end = bool(training_args is not None and training_args.push_to_hub)
@@ -93,7 +98,7 @@ class TrainerHooks:
         self.provenance = provenance
         self.run_totals = dict(run_folder.NO_TOTALS)
         self.train_started = time.time()
-        self.step_metrics = StepMetrics()
+        self.step_metrics = StepMetrics(throughput)
         self.optimizer_state = optimizer_state
         optimizers.refuse_what_muon_cannot_run_under(self.args)
         self.add_callback(NonFiniteCheck(lambda control: self.check_finite(parameters=control.should_save),
@@ -106,9 +111,13 @@ class TrainerHooks:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`, resuming from the checkpoint the output folder resolved (`run_folder.start_run`: the
         folder, or None, is `self.resume_checkpoint` while it runs). After a resume, `train_loss` and the throughput
-        cover the whole run (`log`)."""
+        cover the whole run (`log`). At the end, a `peak_memory_gb` record in the log history
+        (`Throughput.record_peak_memory`)."""
         checkpoint = run_folder.start_run(self, resume_from_checkpoint)
-        return run_folder.end_run(self, super().train(checkpoint or None, *args, **kwargs))
+        self.step_metrics.throughput.start()
+        output = super().train(checkpoint or None, *args, **kwargs)
+        self.step_metrics.throughput.record_peak_memory(self.state)
+        return run_folder.end_run(self, output)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         """The Trainer's batches for the next optimizer step; none once `max_steps` is reached (transformers 5.23,
@@ -166,7 +175,9 @@ class TrainerHooks:
         """`Trainer.log` with, in this order: the `micro_batch_metrics` of the current mode averaged over the
         micro-batches since the last log (`eval_`-prefixed in evaluation, as TRL adds its own); without the session's
         `train_tokens_per_second` when `drops_session_throughput` (`train_runtime`, the seconds since `train()` began,
-        stays); the run's loss sum and, after a resume, whole-run figures (`run_folder.whole_run_log`)."""
+        stays); a training log's `tok_per_sec` and `mfu` (`metrics.Throughput`: here, so that every callback and
+        reporting integration the Trainer calls in `super().log` sees them); the run's loss sum and, after a resume,
+        whole-run figures (`run_folder.whole_run_log`)."""
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
         logs.update({prefix + key: sum(values) / len(values) for key, values in self.micro_batch_metrics[mode].items()})
@@ -174,8 +185,17 @@ class TrainerHooks:
         if self.drops_session_throughput and start_time is not None:
             logs.update(speed_metrics("train", start_time))
             start_time = None
+        self.step_metrics.throughput.add_to(logs, self.state, self.args.world_size)
         run_folder.whole_run_log(self, logs)
         super().log(logs, start_time)
+
+    def evaluate(self, *args, **kwargs):
+        """`Trainer.evaluate` with hfl3 FP8 layers run in high precision (`fp8.float8_disabled`); the evaluation (and
+        its callbacks: samples, ...) is left out of the throughput window."""
+        with fp8.float8_disabled(self.model):
+            metrics = super().evaluate(*args, **kwargs)
+        self.step_metrics.throughput.restart_window()
+        return metrics
 
     # ---- the optimizer ----
 
@@ -201,6 +221,7 @@ class TrainerHooks:
 
     def _save_checkpoint(self, model, trial):
         run_folder.save_checkpoint(self, lambda: super(TrainerHooks, self)._save_checkpoint(model, trial))
+        self.step_metrics.throughput.restart_window()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`Trainer.save_model` (every checkpoint and the final folder), then `run_folder.after_save_model`: no
@@ -236,7 +257,7 @@ class TrainerHooks:
 
     def save_loss_plot(self, metrics: Sequence[str] = ("loss", "eval_loss")) -> None:
         """`loss.png` in `args.output_dir` (inside `finish_output`, the staged folder): `metrics` over the steps of
-        the log history, written by the main process (`hfl3.callbacks.save_loss_png`: a warning when none was
+        the log history, written by the main process (`hfl3.trainers.metrics.save_loss_png`: a warning when none was
         logged)."""
         if self.is_world_process_zero():
             save_loss_png(self.state.log_history, self.args.output_dir, metrics)

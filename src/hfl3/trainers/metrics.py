@@ -1,7 +1,8 @@
 """The numbers of each training step, kept on the device and read only where the Trainer synchronises anyway:
 `StepMetrics`, held by the trainer (`trainer.step_metrics`, `hfl3.trainers.hooks.TrainerHooks`): the NaN/inf guard
-(`NonFiniteFlags`), the run's loss (`LossTally`) and the host count of input tokens; and `BeforeLogSaveEvaluate`, the
-point where they are read.
+(`NonFiniteFlags`), the run's loss (`LossTally`), the host count of input tokens and the throughput of each training
+log (`Throughput`: `tok_per_sec`, `mfu`, `peak_memory_gb`); `BeforeLogSaveEvaluate`, the point where they are read;
+and the loss plot of a finished run (`save_loss_plot`, `save_loss_png`).
 
 The step is kept free of device→host synchronisations (docs/design.md, decision 12): each step compares the loss and
 the gradient norm with `torch.isfinite` on the device and keeps the first bad step number in a device tensor
@@ -14,13 +15,21 @@ recipe ends when it stops on a non-finite value is `hfl3.trainers.exits`.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
+
+from hfl3.atomic import atomic_path
+
+logger = logging.getLogger(__name__)
 
 
 class StepMetrics:
@@ -31,12 +40,14 @@ class StepMetrics:
         loss: the run's training loss as the Trainer reports it (`LossTally`; a new one at every `train()`).
         pending_input_tokens: input tokens counted on this process since they were last summed
             (`sum_input_tokens`).
+        throughput: the throughput of each training log (`Throughput`, of `ThroughputConfig`).
     """
 
-    def __init__(self):
+    def __init__(self, throughput: ThroughputConfig | None = None):
         self.nonfinite = NonFiniteFlags()
         self.loss = LossTally()
         self.pending_input_tokens = 0
+        self.throughput = Throughput(throughput or ThroughputConfig())
 
     def record_loss(self, loss: torch.Tensor, step: int, device: torch.device) -> None:
         """A micro-batch's loss of the optimizer step after `step` (`state.global_step`): tallied, and flagged if not
@@ -210,3 +221,158 @@ class LossTally:
         if self.since_log is None:
             return 0.0
         return accelerator.gather(self.since_log[None]).mean().item()
+
+
+# Dense bf16 peak FLOP/s per GPU (vendor datasheets; H100/H200 SXM 989 TFLOP/s as nanochat uses).
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "4090": 165e12, "A10": 125e12}
+
+
+def peak_flops_per_second() -> float | None:
+    """Dense bf16 peak FLOP/s of the current CUDA GPU if known, else None (CPU, unknown GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+@dataclass
+class ThroughputConfig:
+    """What `Throughput` is computed from.
+
+    Attributes:
+        flops_per_token: training FLOPs per token (`configuration_l3gpt.flops_per_token`; the recipe's plan), or None:
+            no `mfu`.
+        warmup_steps: training logs whose window starts before this optimizer step carry no throughput (start-up,
+            compilation).
+        peak_flops: dense bf16 peak FLOP/s of one device (default: `peak_flops_per_second()`, None on a CPU or an
+            unknown GPU: no `mfu`).
+
+    Raises:
+        ValueError: a negative `warmup_steps`, or a `flops_per_token` or `peak_flops` that is not positive.
+    """
+
+    flops_per_token: float | None = None
+    warmup_steps: int = 10
+    peak_flops: float | None = field(default_factory=peak_flops_per_second)
+
+    def __post_init__(self):
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps}: expected >= 0 (training logs without a throughput)")
+        for name in ("flops_per_token", "peak_flops"):
+            if (value := getattr(self, name)) is not None and not value > 0:
+                raise ValueError(f"{name}={value}: expected a positive number of FLOPs, or None (no mfu)")
+
+
+class Throughput:
+    """The one throughput of a training log, added to its `logs` before the Trainer hands them to any callback or
+    reporting integration (`TrainerHooks.log`): `tok_per_sec` (input tokens per second across all processes, between
+    two training logs) and, with a known peak and FLOPs per token, `mfu` (%), after the first `warmup_steps` steps;
+    `peak_memory_gb` (CUDA max allocated, or the process's peak RSS on a CPU) as a record of its own at the end of
+    `train()`. A trainer that counts no input tokens (`include_num_input_tokens_seen="no"`) logs no throughput.
+
+    Clock: the Trainer reads the loss (`.item()`, a device sync) just before each log, so the time between two logs
+    covers finished device work without a sync of its own; evaluation and checkpoint saving are left out (the window
+    restarts when they end: `restart_window`), and so is other work a callback does between two logs
+    (`exclude_time`, e.g. `hfl3.evaluate.CoreMetricCallback`).
+
+    Named as nanochat names it (`tok_per_sec`, `mfu`: its console's `tok/sec` and its W&B keys `train/tok_per_sec`,
+    `train/mfu`, which transformers' W&B integration also makes of these names). transformers adds another when it
+    counts input tokens: `train_tokens_per_second`, the tokens of this session over the wall time since `train()`
+    began (`Trainer.log`, `speed_metrics`), which also counts start-up, warm-up and compilation, the evaluations and
+    the checkpoint saves. It lags the training speed (7,754 beside 9,502 tok/s in a demo log line) and is no basis for
+    MFU, so pretraining leaves it out (`TrainerHooks.drops_session_throughput`).
+    """
+
+    def __init__(self, config: ThroughputConfig):
+        self.config = config
+        self._mark: tuple[float, int, int] | None = None  # (seconds, tokens seen, step) at the last training log
+
+    def start(self) -> None:
+        """A new window at every `train()`: its first training log opens it."""
+        self._mark = None
+
+    def add_to(self, logs: dict[str, float], state, world_size: int) -> None:
+        """Add `tok_per_sec` (and `mfu`) to a training log (one with `loss`) of `state.global_step`; other logs are
+        left alone. Called before `Trainer.log` (`state.num_input_tokens_seen` is summed by then)."""
+        if "loss" not in logs:
+            return
+        now, tokens = time.perf_counter(), state.num_input_tokens_seen
+        mark, self._mark = self._mark, (now, tokens, state.global_step)
+        if mark is None or mark[2] < self.config.warmup_steps:
+            return
+        seconds, new_tokens = now - mark[0], tokens - mark[1]
+        if seconds <= 0 or new_tokens <= 0:
+            return
+        logs["tok_per_sec"] = round(new_tokens / seconds, 1)
+        if self.config.peak_flops and self.config.flops_per_token:
+            logs["mfu"] = round(100 * logs["tok_per_sec"] * self.config.flops_per_token
+                                / (self.config.peak_flops * world_size), 2)
+
+    def restart_window(self) -> None:
+        """Leave the time since the last training log out (an evaluation or a checkpoint save just ended)."""
+        if self._mark is not None:
+            self._mark = (time.perf_counter(), *self._mark[1:])
+
+    def exclude_time(self, seconds: float) -> None:
+        """Leave `seconds` of work that is not training out of the current window (another callback's evaluation
+        between two training logs, e.g. `hfl3.evaluate.CoreMetricCallback`)."""
+        if self._mark is not None:
+            self._mark = (self._mark[0] + seconds, *self._mark[1:])
+
+    @staticmethod
+    def record_peak_memory(state) -> None:
+        """Append `{"step", "peak_memory_gb"}` to `state.log_history`: CUDA max allocated, else the process's peak
+        RSS (GiB)."""
+        import resource
+
+        if torch.cuda.is_available():
+            peak_bytes = torch.cuda.max_memory_allocated()
+        else:
+            peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        state.log_history.append({"step": state.global_step, "peak_memory_gb": round(peak_bytes / 2**30, 3)})
+
+
+def save_loss_plot(log_history: Sequence[dict], path: str | os.PathLike, metrics: Sequence[str] = ("loss", "eval_loss")) -> Path:
+    """Plot each metric of `metrics` found in a Trainer `log_history` against `step` and write a PNG atomically.
+
+    Args:
+        log_history: `trainer.state.log_history` (list of dicts with a `step` key).
+        path: destination PNG file.
+        metrics: keys to plot; each gets its own panel (keys absent from the history are left out).
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: if none of `metrics` occurs in `log_history`.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {m: [(e["step"], e[m]) for e in log_history if m in e and "step" in e] for m in metrics}
+    series = {m: points for m, points in series.items() if points}
+    if not series:
+        raise ValueError(f"none of {list(metrics)} was logged; nothing to plot into {path}")
+    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.5), squeeze=False)
+    for ax, (name, points) in zip(axes[0], series.items()):
+        steps, values = zip(*points)
+        ax.plot(steps, values, marker="o" if len(points) < 30 else None)
+        ax.set_xlabel("step")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)
+    return path
+
+
+def save_loss_png(log_history: Sequence[dict], folder: str | os.PathLike, metrics: Sequence[str]) -> Path | None:
+    """`save_loss_plot` into `folder/loss.png`; when none of `metrics` was logged, a warning and None."""
+    if not any(metric in entry for entry in log_history for metric in metrics):
+        logger.warning("no %s logged (run shorter than logging_steps?): loss.png not written", tuple(metrics))
+        return None
+    return save_loss_plot(log_history, Path(folder) / "loss.png", metrics)

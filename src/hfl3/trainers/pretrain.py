@@ -14,8 +14,6 @@ import torch
 from accelerate.utils import gather_object
 from transformers import EvalPrediction, Trainer
 
-from hfl3 import fp8
-from hfl3.callbacks import ThroughputCallback
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DATA_STATE_KEY, PackedStream, StreamBatch, StreamProgress, stream_dataloader
 from hfl3.evaluate.callback import CoreMetricCallback
@@ -91,8 +89,7 @@ class BitsPerByte:
 class PretrainTrainer(TrainerHooks, Trainer):
     """HF Trainer for pretraining, with hfl3's hooks (`hfl3.trainers.hooks.TrainerHooks`: the optimizer and its WSD
     schedule, the NaN/inf guard, staged checkpoints and output folders with provenance). Its own: the streamed
-    training data's DataLoader, the input-token count (no device sync per step), weight decay on matrices only, and
-    evaluation with hfl3 FP8 layers swapped back to high precision.
+    training data's DataLoader, the input-token count (no device sync per step) and weight decay on matrices only.
 
     A `PackedStream` as `train_dataset` is read per process and DataLoader worker (`hfl3.data.streaming.
     stream_dataloader`: a plain DataLoader, since accelerate would otherwise read an IterableDataset on rank 0 and
@@ -103,9 +100,9 @@ class PretrainTrainer(TrainerHooks, Trainer):
 
     Private Trainer hook: `_track_num_input_tokens` (see its docstring; signature pinned by
     `tests/test_trainer_hooks.py`); the rest are public (`get_train_dataloader`, `floating_point_ops`,
-    `get_decay_parameter_names`, `evaluate`) or `TrainerHooks`'."""
+    `get_decay_parameter_names`) or `TrainerHooks`'."""
 
-    drops_session_throughput = True  # a training log's throughput is ThroughputCallback's tok_per_sec alone
+    drops_session_throughput = True  # a training log's throughput is `tok_per_sec` alone (metrics.Throughput)
     batches_to_device = True
 
     def hand_over_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -114,17 +111,12 @@ class PretrainTrainer(TrainerHooks, Trainer):
 
     def set_up(self) -> None:
         """After the Trainer's `__init__`: the host token count and the callback that sums it at every log, save and
-        evaluation; `ThroughputCallback` before the reporting integrations (W&B, TensorBoard, ...: the Trainer puts
-        them before the callbacks passed in, and they would report without `tok_per_sec` and `mfu`, which it writes
-        into the logs in its `on_log`).
+        evaluation.
 
         Raises:
             ValueError: a streamed `train_dataset` with `ignore_data_skip` False."""
         self._non_embedding_parameters = None
         self.add_callback(BeforeLogSaveEvaluate(lambda control: self.step_metrics.sum_input_tokens(self)))
-        handler = self.callback_handler
-        first = [callback for callback in handler.callbacks if isinstance(callback, ThroughputCallback)]
-        handler.callbacks = first + [callback for callback in handler.callbacks if callback not in first]
         self.data_progress: StreamProgress | None = None
         if isinstance(self.train_dataset, PackedStream) and not self.args.ignore_data_skip:
             raise ValueError("a streamed train_dataset resumes from the state saved in the checkpoint: set "
@@ -172,7 +164,7 @@ class PretrainTrainer(TrainerHooks, Trainer):
         """The Trainer's `total_flos` term, 6 × input tokens × non-embedding parameters (`Trainer.floating_point_ops`),
         with the parameters counted once: the Trainer asks at every micro-batch, and `num_parameters(
         exclude_embeddings=True)` walks every module and parameter each time (host work on the step's critical path;
-        the throughput's own FLOPs are `ThroughputCallback`'s)."""
+        the throughput's own FLOPs are `ThroughputConfig.flops_per_token`, `hfl3.trainers.metrics`)."""
         if self._non_embedding_parameters is None:
             self._non_embedding_parameters = self.model.num_parameters(exclude_embeddings=True)
         main_input = getattr(self.model, "main_input_name", "input_ids")
@@ -193,10 +185,6 @@ class PretrainTrainer(TrainerHooks, Trainer):
         if self.args.include_num_input_tokens_seen != "all" or main_input not in inputs:
             return super()._track_num_input_tokens(inputs)
         self.step_metrics.count_input_tokens(inputs[main_input].numel())
-
-    def evaluate(self, *args, **kwargs):
-        with fp8.float8_disabled(self.model):
-            return super().evaluate(*args, **kwargs)
 
     @property
     def core_metric(self) -> CoreMetricCallback | None:

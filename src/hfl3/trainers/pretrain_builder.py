@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM, fp8, provenance
-from hfl3.callbacks import SampleCallback, ThroughputCallback
+from hfl3.callbacks import SampleCallback
 from hfl3.distributed import from_main
 from hfl3.evaluate import CoreMetricCallback, core_bundle_for_training
 from hfl3.models.l3gpt import lzw_allocation
@@ -23,6 +23,7 @@ from hfl3.tokenization import load_tokenizer, token_bytes
 from hfl3.trainers.arguments import RunSetup, apply_evaluation
 from hfl3.trainers.compute_optimal import (REFERENCE_DEPTH, ComputeOptimalPlan, apply_plan, compute_optimal_plan,
                                           parameter_counts)
+from hfl3.trainers.metrics import ThroughputConfig
 from hfl3.trainers.optimizers import optimizer_metadata
 from hfl3.trainers.outputs import OutputFolder
 from hfl3.trainers.pretrain import BitsPerByte, PackedCollator, PretrainTrainer
@@ -107,11 +108,11 @@ def build_trainer(model: L3GPTForCausalLM, training_args: PretrainConfig, train_
                   output: OutputFolder | None = None, sample_prompts: Sequence[str] = (), core_bundle=None,
                   callbacks: Sequence[TrainerCallback] = ()) -> PretrainTrainer:
     """The recipe's `PretrainTrainer` around `model`: `PackedCollator` (BOS of `tokenizer`, else `bos_token_id`),
-    bits-per-byte evaluation on `eval_rows` (`(rows, max_length)` token ids; needs `tokenizer`), `ThroughputCallback`
-    at `flops_per_token` (training FLOPs per token; None: no MFU), greedy samples of `sample_prompts` at evaluation (not under
-    ZeRO-3), the CORE metric every `--core_metric_every` steps with `core_bundle`, and `callbacks` (a benchmark's
-    clock). `train_dataset`: the recipe's `PackedStream`, or packed rows (`datasets.Dataset` of `input_ids`).
-    `output`: the output folder the recipe's arguments resolved (`RunSetup.output`)."""
+    bits-per-byte evaluation on `eval_rows` (`(rows, max_length)` token ids; needs `tokenizer`), the throughput at
+    `flops_per_token` (`ThroughputConfig`: training FLOPs per token; None: no MFU), greedy samples of `sample_prompts`
+    at evaluation (not under ZeRO-3), the CORE metric every `--core_metric_every` steps with `core_bundle`, and
+    `callbacks` (a benchmark's clock). `train_dataset`: the recipe's `PackedStream`, or packed rows (`datasets.Dataset`
+    of `input_ids`). `output`: the output folder the recipe's arguments resolved (`RunSetup.output`)."""
     bos = tokenizer.bos_token_id if tokenizer is not None else bos_token_id
     evaluating = eval_rows is not None and len(eval_rows) > 0
     trainer = PretrainTrainer(
@@ -120,7 +121,7 @@ def build_trainer(model: L3GPTForCausalLM, training_args: PretrainConfig, train_
         data_collator=PackedCollator(bos, training_args.attend_across_documents),
         processing_class=tokenizer, compute_metrics=BitsPerByte(token_bytes(tokenizer)) if evaluating else None,
         preprocess_logits_for_metrics=BitsPerByte.preprocess_logits_for_metrics if evaluating else None,
-        callbacks=[ThroughputCallback(flops_per_token), *callbacks], output_folder=output,
+        callbacks=list(callbacks), output_folder=output, throughput=ThroughputConfig(flops_per_token),
     )
     if sample_prompts and tokenizer is not None and evaluating:
         if is_deepspeed_zero3_enabled():  # SampleCallback generates on rank 0 alone; ZeRO-3 needs every rank's shards
