@@ -28,7 +28,7 @@ from hfl3.errors import InputError
 from hfl3.provenance.portable import is_secret
 from hfl3.trainers.arguments import launch_arguments, parse_recipe_args, parsed_secrets
 from hfl3.trainers.exits import recipe_exits
-from hfl3.trainers.hooks import TrainerHooks
+from hfl3.trainers.outputs import OutputConfig, RunOutputs
 from hfl3.trainers.sft_builder import build_sft_trainer
 from recipe_setup import set_up_recipe
 
@@ -219,11 +219,10 @@ def test_hub_revision_sends_the_push_to_its_branch_created_if_missing(tmp_path, 
     assert FakeApi.calls[1:] == [("create_repo", "me/model", None, True), ("upload_folder", "me/model", None)]
     # the trainers' push passes --hub_revision on
     FakeApi.calls = []
-    trainer = SimpleNamespace(push_at_end=True, is_world_process_zero=lambda: True, final_output_dir=str(tmp_path),
-                              hub_files=lambda folder: {},
-                              args=SimpleNamespace(hub_model_id="me/model", hub_private_repo=True, hub_token="t",
-                                                   hub_revision="dev"))
-    assert TrainerHooks.push_output(trainer).endswith("/commit/dev")
+    outputs = RunOutputs(OutputConfig(str(tmp_path), push_to_hub=True, hub_model_id="me/model", hub_private_repo=True,
+                                      hub_token="t", hub_revision="dev"))
+    trainer = SimpleNamespace(is_world_process_zero=lambda: True, hub_files=lambda folder: {})
+    assert outputs.push(trainer).endswith("/commit/dev")
     assert FakeApi.calls == [("init", "t"), ("create_repo", "me/model", True, True),
                              ("create_branch", "me/model", "dev", True), ("upload_folder", "me/model", "dev")]
 

@@ -37,7 +37,7 @@ from hfl3.models.l3gpt.linear_cross_entropy import CHUNK_BYTES
 from hfl3.provenance import sha256_file, sha256_records
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.arguments import parse_recipe_args
-from hfl3.trainers.guards import check_vocabulary_fits
+from hfl3.trainers.inputs import check_vocabulary_fits
 from hfl3.trainers.sft_builder import build_sft_trainer
 from hfl3.trainers.outputs import base_model_hub_id, local_base_model
 from hfl3.trainers.sft import ChatSFTTrainer
