@@ -227,6 +227,17 @@ def test_hub_revision_sends_the_push_to_its_branch_created_if_missing(tmp_path, 
                              ("create_branch", "me/model", "dev", True), ("upload_folder", "me/model", "dev")]
 
 
+def test_the_output_folder_takes_the_hub_arguments_and_shows_no_token():
+    args = SimpleNamespace(output_dir="out", push_to_hub=True, hub_model_id="me/model", hub_private_repo=None,
+                           hub_token="hf_AbCdEfGhIjKlMnOp", hub_revision="dev", learning_rate=0.1)
+    config = OutputConfig.from_args(args)
+    assert (config.output_dir, config.hub_model_id, config.hub_token, config.hub_revision) == (
+        "out", "me/model", "hf_AbCdEfGhIjKlMnOp", "dev")
+    assert "hf_AbCdEfGhIjKlMnOp" not in repr(config)
+    assert RunOutputs(config).usage_name() == "me/model"  # the card loads a pushed output by its Hub id
+    assert RunOutputs(OutputConfig("out/run")).usage_name() == "out/run"
+
+
 def test_push_flags_parse_with_the_end_strategy(pretrain_recipe, repo_root, inputs, tmp_path, monkeypatch):
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
     arguments = recipe_arguments("pretrain", repo_root, inputs, tmp_path / "out") + [
