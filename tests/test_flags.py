@@ -28,7 +28,7 @@ from hfl3.errors import InputError
 from hfl3.provenance.portable import is_secret
 from hfl3.trainers.arguments import launch_arguments, parse_recipe_args, parsed_secrets
 from hfl3.trainers.exits import recipe_exits
-from hfl3.trainers.hooks import TrainerHooks
+from hfl3.trainers.outputs import OutputConfig, RunOutputs
 from hfl3.trainers.sft_builder import build_sft_trainer
 from recipe_setup import set_up_recipe
 
@@ -219,13 +219,23 @@ def test_hub_revision_sends_the_push_to_its_branch_created_if_missing(tmp_path, 
     assert FakeApi.calls[1:] == [("create_repo", "me/model", None, True), ("upload_folder", "me/model", None)]
     # the trainers' push passes --hub_revision on
     FakeApi.calls = []
-    trainer = SimpleNamespace(push_at_end=True, is_world_process_zero=lambda: True, final_output_dir=str(tmp_path),
-                              hub_files=lambda folder: {},
-                              args=SimpleNamespace(hub_model_id="me/model", hub_private_repo=True, hub_token="t",
-                                                   hub_revision="dev"))
-    assert TrainerHooks.push_output(trainer).endswith("/commit/dev")
+    outputs = RunOutputs(OutputConfig(str(tmp_path), push_to_hub=True, hub_model_id="me/model", hub_private_repo=True,
+                                      hub_token="t", hub_revision="dev"))
+    trainer = SimpleNamespace(is_world_process_zero=lambda: True, hub_files=lambda folder: {})
+    assert outputs.push(trainer).endswith("/commit/dev")
     assert FakeApi.calls == [("init", "t"), ("create_repo", "me/model", True, True),
                              ("create_branch", "me/model", "dev", True), ("upload_folder", "me/model", "dev")]
+
+
+def test_the_output_folder_takes_the_hub_arguments_and_shows_no_token():
+    args = SimpleNamespace(output_dir="out", push_to_hub=True, hub_model_id="me/model", hub_private_repo=None,
+                           hub_token="hf_AbCdEfGhIjKlMnOp", hub_revision="dev", learning_rate=0.1)
+    config = OutputConfig.from_args(args)
+    assert (config.output_dir, config.hub_model_id, config.hub_token, config.hub_revision) == (
+        "out", "me/model", "hf_AbCdEfGhIjKlMnOp", "dev")
+    assert "hf_AbCdEfGhIjKlMnOp" not in repr(config)
+    assert RunOutputs(config).usage_name() == "me/model"  # the card loads a pushed output by its Hub id
+    assert RunOutputs(OutputConfig("out/run")).usage_name() == "out/run"
 
 
 def test_push_flags_parse_with_the_end_strategy(pretrain_recipe, repo_root, inputs, tmp_path, monkeypatch):

@@ -3,7 +3,7 @@
 argument, the value and what was expected, exit status 2, with nothing written; a Hub id is looked up once with a
 short timeout, or in the local cache offline. A model or tokenizer folder must hold what the argument needs (a readable
 `config.json`, whole weights, a tokenizer, a chat template for SFT): each problem one line naming the file and the fix,
-before any data is read."""
+before any data is read. Once the model is loaded, the token ids the data will feed must fit its embeddings."""
 
 import importlib.util
 import os
@@ -407,3 +407,19 @@ def test_a_pretraining_tokenizer_that_is_not_json_is_one_line(pretrain_recipe, v
         f"--tokenizer_name_or_path {folder}: tokenizer_config.json is not valid JSON (Expecting value: line 1 column 1 "
         f"(char 0)); {SAVE_AGAIN}")
     assert not (tmp_path / "out").exists()
+
+
+# ---- the tokenizer fits the model ------------------------------------------------------------------------------------
+
+def test_a_tokenizer_larger_than_the_embeddings_is_refused(assets):
+    fits = recipe_inputs.check_vocabulary_fits  # run by the SFT builder once the model is loaded
+    qwen3 = AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
+    config = Qwen3Config(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match=rf"has {len(qwen3)} tokens .* has 1000 embedding rows: token ids >= 1000 "
+                                         r"have no embedding\. Use the model's own tokenizer"):
+        fits(qwen3, Qwen3ForCausalLM(config))
+    fits(qwen3, Qwen3ForCausalLM(Qwen3Config(**{**config.to_dict(), "vocab_size": len(qwen3)})))
+    # with the data to be fed: only ids that occur (and the pad id: Qwen3's is 151643) must have a row
+    with pytest.raises(ValueError, match=r"the data hold token id 151643 .* has 1000 embedding rows"):
+        fits(qwen3, Qwen3ForCausalLM(config), [Dataset.from_dict({"input_ids": [[5, 999]]})])

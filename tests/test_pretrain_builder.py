@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from hfl3.trainers import outputs
+from hfl3.trainers.outputs import folder
 from recipe_setup import set_up_recipe
 from hfl3.trainers.compute_optimal import apply_plan, parameter_counts
 from hfl3.trainers.pretrain_builder import build_model, build_pretraining, build_trainer
@@ -65,12 +65,12 @@ def test_a_benchmark_arm_built_from_the_recipes_arguments_trains_as_the_recipe(t
 def test_the_output_folder_is_resolved_once_and_is_what_the_trainer_uses(tmp_path, pretrain_recipe, repo_root,
                                                                          monkeypatch):
     probes = []
-    monkeypatch.setattr(outputs, "separate_disks", lambda folder: probes.append(folder) or outputs.SeparateDisks())
+    monkeypatch.setattr(folder, "separate_disks", lambda path: probes.append(path) or folder.SeparateDisks())
     script, training_args, model_args, setup = parsed(pretrain_recipe, repo_root, tmp_path / "out", "--max_steps",
                                                       "1", "--eval_strategy", "no")
     assert len(probes) == 1 and setup.output.path == tmp_path / "out"
     run = build_pretraining(script, training_args, model_args, setup)
-    assert run.trainer.output_folder is setup.output
+    assert run.trainer.outputs.folder is setup.output
     run.trainer.train()
     assert len(probes) == 1  # no second probe, resolution or checkpoint lookup in train()
-    assert run.trainer.output_folder is setup.output and run.trainer.resume_checkpoint is None
+    assert run.trainer.outputs.folder is setup.output and run.trainer.outputs.resume_checkpoint is None

@@ -22,7 +22,8 @@ from hfl3.trainers.base_model import (
     merge_adapter,
     quantization_metadata,
 )
-from hfl3.trainers.cards import sft_model_card
+from hfl3.evaluate.chatcore import chatcore_eval_results
+from hfl3.provenance.card import sft_model_card
 from hfl3.trainers.sft import ChatSFTTrainer
 from hfl3.trainers.sft_config import ChatSFTConfig, SFTModelArguments
 
@@ -234,11 +235,12 @@ def test_metadata_and_card_say_how_to_quantize_the_base_again(trained):
     assert metadata["bitsandbytes_config"] == {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
                                                "bnb_4bit_compute_dtype": "bfloat16"}
     run = {"base_model": {"name_or_path": "/models/qwen3", "quantization": metadata}}
-    adapter_card = sft_model_card(run, "outputs/sft", adapter=True)["extra_markdown"]
+    adapter_card = sft_model_card(run, "outputs/sft", adapter=True, model_index=chatcore_eval_results)["extra_markdown"]
     assert ("AutoPeftModelForCausalLM.from_pretrained('outputs/sft', quantization_config=BitsAndBytesConfig("
             "load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype='bfloat16'), dtype='bfloat16')"
             in adapter_card)
-    merged_card = sft_model_card(run | {"merged": True}, "outputs/sft/merged", adapter=False)["extra_markdown"]
+    merged_card = sft_model_card(run | {"merged": True}, "outputs/sft/merged", adapter=False,
+                                 model_index=chatcore_eval_results)["extra_markdown"]
     assert "merged into its dequantized weights, in bfloat16" in merged_card and "BitsAndBytesConfig" not in merged_card
 
 

@@ -37,7 +37,6 @@ from hfl3.models.l3gpt.linear_cross_entropy import CHUNK_BYTES
 from hfl3.provenance import sha256_file, sha256_records
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.arguments import parse_recipe_args
-from hfl3.trainers.guards import check_vocabulary_fits
 from hfl3.trainers.sft_builder import build_sft_trainer
 from hfl3.trainers.outputs import base_model_hub_id, local_base_model
 from hfl3.trainers.sft import ChatSFTTrainer
@@ -630,18 +629,3 @@ def test_what_is_pushed_names_the_base_by_its_hub_id_and_holds_no_local_path(tmp
     assert "AutoPeftModelForCausalLM.from_pretrained('me/tiny-adapter')" in card_snippet(card)
     local = json.loads((output_dir / "adapter_config.json").read_text())
     assert local["base_model_name_or_path"] == str(l3gpt_folder.resolve())  # the local copy still loads here
-
-
-# ---- the tokenizer fits the model ------------------------------------------------------------------------------------
-
-def test_a_tokenizer_larger_than_the_embeddings_is_refused(assets):
-    qwen3 = AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
-    config = Qwen3Config(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    with pytest.raises(ValueError, match=rf"has {len(qwen3)} tokens .* has 1000 embedding rows: token ids >= 1000 "
-                                         r"have no embedding\. Use the model's own tokenizer"):
-        check_vocabulary_fits(qwen3, Qwen3ForCausalLM(config))
-    check_vocabulary_fits(qwen3, Qwen3ForCausalLM(Qwen3Config(**{**config.to_dict(), "vocab_size": len(qwen3)})))
-    # with the data to be fed: only ids that occur (and the pad id: Qwen3's is 151643) must have a row
-    with pytest.raises(ValueError, match=r"the data hold token id 151643 .* has 1000 embedding rows"):
-        check_vocabulary_fits(qwen3, Qwen3ForCausalLM(config), [Dataset.from_dict({"input_ids": [[5, 999]]})])

@@ -24,7 +24,7 @@ EMPTY = inspect.Parameter.empty
 PRIVATE_HOOKS = [
     # (method, its parameters and defaults, the hfl3 feature that depends on it)
     ("_save_checkpoint", [("self", EMPTY), ("model", EMPTY), ("trial", EMPTY)],
-     "staged checkpoints (TrainerHooks, hfl3.trainers.run_folder): the Trainer's whole checkpoint is written into _hfl3_staging and renamed "
+     "staged checkpoints (TrainerHooks, hfl3.trainers.outputs.RunOutputs): the Trainer's whole checkpoint is written into _hfl3_staging and renamed "
      "to checkpoint-N once complete, hfl3_run.json and the data-stream state included, so a kill never leaves an "
      "incomplete checkpoint-N; no public hook wraps the checkpoint write (on_save runs after it)"),
     ("_get_grad_norm", [("self", EMPTY), ("model", EMPTY), ("grad_norm", None)],

@@ -2,7 +2,7 @@
 
 The same facts go to three places: `metadata.json` beside the weights, the `__metadata__` header of the
 `.safetensors` files, and the model card (`README.md`) that a push uploads. Both recipes, the nanochat converters and
-the trainers' output folders (`hfl3.trainers.run_folder`) use it. One module per concern:
+the trainers' output folders (`hfl3.trainers.outputs`) use it. One module per concern:
 
 - `hashing`: `sha256_records` (`canonical_json`), `sha256_file`, `config_sha256` — what was trained on;
 - `versions`: `package_versions`, `git_commit`, `git_dirty` — the software that produced it;
@@ -12,13 +12,14 @@ the trainers' output folders (`hfl3.trainers.run_folder`) use it. One module per
 - `lineage`: `base_lineage` (an output's `lineage`: its base's provenance, recursively, back to the corpus),
   `read_chain` and `format_chain` (`python -m hfl3.provenance show FOLDER`);
 - `safetensors_header`: `provenance_header`, `add_safetensors_metadata` — the header, without rewriting the tensors;
-- `card`: `write_model_card` — `huggingface_hub.ModelCard.from_template`;
+- `card`: `write_model_card` — `huggingface_hub.ModelCard.from_template`; `l3gpt_model_card`, `sft_model_card` —
+  what the trainers' outputs' cards say;
 - `hub`: `push_folder_to_hub`.
 
 Atomic writes, which every output uses, are `hfl3.atomic`.
 """
 
-from hfl3.provenance.card import write_model_card
+from hfl3.provenance.card import l3gpt_model_card, sft_model_card, write_model_card
 from hfl3.provenance.hashing import canonical_json, config_sha256, sha256_file, sha256_records
 from hfl3.provenance.hub import push_folder_to_hub
 from hfl3.provenance.lineage import base_lineage, format_chain, read_chain
@@ -40,6 +41,7 @@ __all__ = [
     "git_commit",
     "git_dirty",
     "is_secret",
+    "l3gpt_model_card",
     "package_versions",
     "portable",
     "provenance_header",
@@ -48,6 +50,7 @@ __all__ = [
     "redact",
     "sha256_file",
     "sha256_records",
+    "sft_model_card",
     "stamp_folder",
     "write_model_card",
 ]

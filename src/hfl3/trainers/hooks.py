@@ -7,28 +7,28 @@ lines around `super()` that hand the work to what the trainer holds:
 
 | hook | what it adds |
 |---|---|
-| `__init__` | the trainer's own `hand_over_arguments` first, the push taken over (uploaded once at the end), then after the Trainer's: the output folder's state, the step metrics (`metrics.StepMetrics`, with the throughput's config), Muon's refusal of what it cannot run under, the NaN/inf check, the trainer's own `set_up` |
-| `train` | the output folder and resume checkpoint resolved and checked (`run_folder.start_run`), a new throughput window, and after it the peak memory record (`metrics.Throughput`) and the best model to every machine (`end_run`) |
+| `__init__` | the trainer's own `hand_over_arguments` first, the output folder (`outputs`, built from the arguments when not given) and its push taken over (uploaded once at the end), then after the Trainer's: the step metrics (`metrics.StepMetrics`, with the throughput's config), Muon's refusal of what it cannot run under, the NaN/inf check, the trainer's own `set_up` |
+| `train` | the output folder and resume checkpoint resolved and checked (`outputs.start`), a new throughput window, and after it the peak memory record (`metrics.Throughput`) and the best model to every machine (`outputs.end`) |
 | `get_batch_samples` | a finished run trains nothing more; a streamed batch's state into `data_progress`, tensors copied without blocking |
 | `training_step` | the loss tallied and checked for NaN/inf on the device (`metrics.StepMetrics`) |
 | `_get_grad_norm` (private, pinned) | the pre-clipping gradient norm checked on the device |
-| `log` | metrics the trainer gathered since the last log (`micro_batch_metrics`), the session throughput left out where the trainer says so, the training log's `tok_per_sec` and `mfu` (`metrics.Throughput`, before any callback or reporting integration sees the log), the run's loss and whole-run figures after a resume (`run_folder.whole_run_log`) |
+| `log` | metrics the trainer gathered since the last log (`micro_batch_metrics`), the session throughput left out where the trainer says so, the training log's `tok_per_sec` and `mfu` (`metrics.Throughput`, before any callback or reporting integration sees the log), the run's loss and whole-run figures after a resume (`outputs.whole_run_log`) |
 | `evaluate` | hfl3 FP8 layers run in high precision; the throughput window restarts after it |
 | `create_optimizer_and_scheduler`, `create_optimizer`, `create_scheduler` | MuonAdamW or the Trainer's optimizer, scaled, warm-started; the WSD schedule's steps (`hfl3.trainers.optimizers`) |
-| `_save_checkpoint` (private, pinned) | the staged checkpoint, renamed when whole (`run_folder.save_checkpoint`); the throughput window restarts after it |
-| `save_model`, `create_model_card`, `save_metrics`, `save_state` | no `training_args.bin`, provenance and card on every saved folder, local paths out of the saved results |
+| `_save_checkpoint` (private, pinned) | the staged checkpoint, renamed when whole (`outputs.save_checkpoint`); the throughput window restarts after it |
+| `save_model`, `create_model_card`, `save_metrics`, `save_state` | no `training_args.bin`, provenance and card on every saved folder (`outputs.after_save_model`), local paths out of the saved results (`outputs.after_save_state`) |
+| `finish_output`, `push_output` (hfl3's) | the final folder staged and committed whole (`outputs.finish`), uploaded once (`outputs.push`) |
 
-What each trainer adds it defines once, in its own class: `hand_over_arguments` and `set_up` (around the Trainer's
-`__init__`), `model_card` and `hub_files` (what its output folder says), and the Trainer methods only it overrides.
+`outputs` is the output folder, `hfl3.trainers.outputs.RunOutputs`. What each trainer adds it defines once, in its
+own class: `hand_over_arguments` and `set_up` (around the Trainer's `__init__`), `model_card` and `hub_files` (what
+its output folder says), and the Trainer methods only it overrides.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -38,12 +38,11 @@ from accelerate.utils import DistributedType
 from transformers.trainer_utils import speed_metrics
 
 from hfl3 import fp8
-from hfl3.atomic import write_json_atomic
 from hfl3.data.streaming import DATA_STATE_KEY
 from hfl3.provenance import portable
-from hfl3.trainers import optimizers, run_folder
+from hfl3.trainers import optimizers
 from hfl3.trainers.metrics import NonFiniteCheck, StepMetrics, ThroughputConfig, save_loss_png
-from hfl3.trainers.outputs import OutputFolder
+from hfl3.trainers.outputs import OutputConfig, RunOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +53,10 @@ class TrainerHooks:
     `hub_files`.
 
     Args:
-        output_folder: where the run writes, as the recipe's `prepare_output_dir` resolved it before any work (the
-            resume checkpoint, the replacing run's checkpoint folder, the machines' disks); without it, `train`
-            resolves it once, the same way, from `args.output_dir` and its `resume_from_checkpoint` argument.
+        outputs: the output folder, as the recipe's builder constructed it (`RunOutputs` with the folder the
+            recipe's `prepare_output_dir` resolved before any work); without it, one built from the arguments
+            (`OutputConfig.from_args`), which `train` resolves once, the same way, from `args.output_dir` and its
+            `resume_from_checkpoint` argument.
         optimizer_state: a file `hfl3.optim.state_file.save_optimizer_state` wrote, to warm-start the optimizer from.
         provenance: a `build_metadata` dict stamped into every saved folder, or None (nothing stamped).
         throughput: what each training log's `tok_per_sec` and `mfu` are computed from (default `ThroughputConfig()`:
@@ -64,13 +64,13 @@ class TrainerHooks:
 
     `TrainingArguments.push_to_hub` is taken over at construction: the Trainer would otherwise upload unfinished
     checkpoint folders and re-save the model into `output_dir`; `push_output()` uploads the committed folder once, at
-    the end (`hub_strategy` "end"), with the same `hub_model_id`, `hub_private_repo`, `hub_token` and `hub_revision`.
+    the end (`hub_strategy` "end"), with the same `hub_model_id`, `hub_private_repo`, `hub_token` and `hub_revision`
+    (the output folder's `OutputConfig`, taken before).
 
     Attributes:
+        outputs: the output folder (`RunOutputs`): resume checkpoint, run totals, staged checkpoints, final folder.
         step_metrics: what each step records without a device sync, and the throughput of each training log
             (`hfl3.trainers.metrics.StepMetrics`).
-        run_totals: the resumed checkpoint's `{"train_loss_sum", "train_runtime", "global_step"}`, zeros when the run
-            started from scratch.
         data_progress: a streamed training dataset's progress (`hfl3.data.streaming.StreamProgress`), else None.
         micro_batch_metrics: `{"train"|"eval": {name: [value per micro-batch]}}`, averaged into the next log of that
             mode.
@@ -84,20 +84,17 @@ class TrainerHooks:
     data_progress = None
     provenance: dict | None = None  # read by `create_model_card` and `save_model` whenever they run
 
-    def __init__(self, *args, output_folder: OutputFolder | None = None,
+    def __init__(self, *args, outputs: RunOutputs | None = None,
                  optimizer_state: str | os.PathLike | None = None, provenance: dict | None = None,
                  throughput: ThroughputConfig | None = None, **kwargs):
         args, kwargs = self.hand_over_arguments(args, kwargs)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        self.push_at_end = bool(training_args is not None and training_args.push_to_hub)
-        if self.push_at_end:
-            training_args.push_to_hub = False
+        if training_args is not None:
+            outputs = outputs or RunOutputs(OutputConfig.from_args(training_args))
+            training_args.push_to_hub = False  # the output folder pushes, once, at the end
         super().__init__(*args, **kwargs)
-        self.output_folder = self.given_output_folder = output_folder
-        self.final_output_dir = self.args.output_dir
+        self.outputs = outputs or RunOutputs(OutputConfig.from_args(self.args))
         self.provenance = provenance
-        self.run_totals = dict(run_folder.NO_TOTALS)
-        self.train_started = time.time()
         self.step_metrics = StepMetrics(throughput)
         self.optimizer_state = optimizer_state
         optimizers.refuse_what_muon_cannot_run_under(self.args)
@@ -109,15 +106,19 @@ class TrainerHooks:
     # ---- the run ----
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """`Trainer.train`, resuming from the checkpoint the output folder resolved (`run_folder.start_run`: the
-        folder, or None, is `self.resume_checkpoint` while it runs). After a resume, `train_loss` and the throughput
-        cover the whole run (`log`). At the end, a `peak_memory_gb` record in the log history
-        (`Throughput.record_peak_memory`)."""
-        checkpoint = run_folder.start_run(self, resume_from_checkpoint)
+        """`Trainer.train`, resuming from the checkpoint the output folder resolved (`RunOutputs.start`: the folder,
+        or None, is `resume_checkpoint` while it runs). After a resume, `train_loss` and the throughput cover the whole
+        run (`log`). At the end, a `peak_memory_gb` record in the log history (`Throughput.record_peak_memory`)."""
+        checkpoint = self.outputs.start(self, resume_from_checkpoint)
         self.step_metrics.throughput.start()
         output = super().train(checkpoint or None, *args, **kwargs)
         self.step_metrics.throughput.record_peak_memory(self.state)
-        return run_folder.end_run(self, output)
+        return self.outputs.end(self, output)
+
+    @property
+    def resume_checkpoint(self) -> str | None:
+        """The checkpoint the current `train()` resumes from (`outputs.resume_checkpoint`), or None."""
+        return self.outputs.resume_checkpoint
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         """The Trainer's batches for the next optimizer step; none once `max_steps` is reached (transformers 5.23,
@@ -177,7 +178,7 @@ class TrainerHooks:
         `train_tokens_per_second` when `drops_session_throughput` (`train_runtime`, the seconds since `train()` began,
         stays); a training log's `tok_per_sec` and `mfu` (`metrics.Throughput`: here, so that every callback and
         reporting integration the Trainer calls in `super().log` sees them); the run's loss sum and, after a resume,
-        whole-run figures (`run_folder.whole_run_log`)."""
+        whole-run figures (`RunOutputs.whole_run_log`)."""
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
         logs.update({prefix + key: sum(values) / len(values) for key, values in self.micro_batch_metrics[mode].items()})
@@ -186,7 +187,7 @@ class TrainerHooks:
             logs.update(speed_metrics("train", start_time))
             start_time = None
         self.step_metrics.throughput.add_to(logs, self.state, self.args.world_size)
-        run_folder.whole_run_log(self, logs)
+        self.outputs.whole_run_log(self, logs)
         super().log(logs, start_time)
 
     def evaluate(self, *args, **kwargs):
@@ -220,14 +221,14 @@ class TrainerHooks:
     # ---- saved folders ----
 
     def _save_checkpoint(self, model, trial):
-        run_folder.save_checkpoint(self, lambda: super(TrainerHooks, self)._save_checkpoint(model, trial))
+        self.outputs.save_checkpoint(self, lambda: super(TrainerHooks, self)._save_checkpoint(model, trial))
         self.step_metrics.throughput.restart_window()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """`Trainer.save_model` (every checkpoint and the final folder), then `run_folder.after_save_model`: no
+        """`Trainer.save_model` (every checkpoint and the final folder), then `RunOutputs.after_save_model`: no
         `training_args.bin`, the provenance and card when `provenance` is set, an adapter's local base path."""
         super().save_model(output_dir, _internal_call)
-        run_folder.after_save_model(self, Path(output_dir if output_dir is not None else self.args.output_dir))
+        self.outputs.after_save_model(self, Path(output_dir if output_dir is not None else self.args.output_dir))
 
     def create_model_card(self, *args, **kwargs):
         """The Trainer's card when there is no `provenance`; else nothing here: the card travels with the saved
@@ -241,18 +242,16 @@ class TrainerHooks:
         super().save_metrics(split, portable(metrics), combined)
 
     def save_state(self):
-        """`Trainer.save_state`, then the written `trainer_state.json` made `portable` (its `best_model_checkpoint`
-        is a local path; a checkpoint's own copy keeps it, for resuming)."""
+        """`Trainer.save_state`, then the written `trainer_state.json` made `portable` (`RunOutputs.after_save_state`:
+        its `best_model_checkpoint` is a local path; a checkpoint's own copy keeps it, for resuming)."""
         super().save_state()
-        path = Path(self.args.output_dir) / "trainer_state.json"
-        if self.args.should_save and path.is_file():
-            write_json_atomic(path, portable(json.loads(path.read_text())))
+        self.outputs.after_save_state(self)
 
     @contextlib.contextmanager
     def finish_output(self) -> Iterator[Path]:
         """`with trainer.finish_output() as folder:` the final folder, staged and committed whole
-        (`run_folder.finish_output`)."""
-        with run_folder.finish_output(self) as folder:
+        (`RunOutputs.finish`)."""
+        with self.outputs.finish(self) as folder:
             yield folder
 
     def save_loss_plot(self, metrics: Sequence[str] = ("loss", "eval_loss")) -> None:
@@ -263,5 +262,5 @@ class TrainerHooks:
             save_loss_png(self.state.log_history, self.args.output_dir, metrics)
 
     def push_output(self, folder: str | os.PathLike | None = None) -> str | None:
-        """`run_folder.push_output`: the committed folder uploaded with `--push_to_hub`; the commit URL, or None."""
-        return run_folder.push_output(self, folder)
+        """`RunOutputs.push`: the committed folder uploaded with `--push_to_hub`; the commit URL, or None."""
+        return self.outputs.push(self, folder)

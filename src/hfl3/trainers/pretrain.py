@@ -17,7 +17,8 @@ from transformers import EvalPrediction, Trainer
 from hfl3.data.packing import PackingReport
 from hfl3.data.streaming import DATA_STATE_KEY, PackedStream, StreamBatch, StreamProgress, stream_dataloader
 from hfl3.evaluate.callback import CoreMetricCallback
-from hfl3.trainers.cards import l3gpt_model_card, usage_name
+from hfl3.evaluate.core import core_eval_results
+from hfl3.provenance.card import l3gpt_model_card
 from hfl3.trainers.hooks import TrainerHooks
 from hfl3.trainers.metrics import BeforeLogSaveEvaluate
 
@@ -122,9 +123,9 @@ class PretrainTrainer(TrainerHooks, Trainer):
             raise ValueError("a streamed train_dataset resumes from the state saved in the checkpoint: set "
                              "ignore_data_skip=True (PretrainConfig's default); skipping batches would re-read it")
 
-    def model_card(self, metadata: Mapping[str, Any]) -> dict:
-        """`write_model_card` arguments for the pretrained L3GPT (`l3gpt_model_card`)."""
-        return l3gpt_model_card(metadata, usage_name(self))
+    def model_card(self, metadata: Mapping[str, Any], name: str) -> dict:
+        """`write_model_card` arguments for the pretrained L3GPT loaded as `name` (`l3gpt_model_card`)."""
+        return l3gpt_model_card(metadata, name, model_index=core_eval_results)
 
     def hub_files(self, folder: Path) -> dict[str, Any]:
         """Files of `folder` whose pushed copy differs from the local one: none."""

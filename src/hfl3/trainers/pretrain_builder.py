@@ -25,7 +25,7 @@ from hfl3.trainers.compute_optimal import (REFERENCE_DEPTH, ComputeOptimalPlan, 
                                           parameter_counts)
 from hfl3.trainers.metrics import ThroughputConfig
 from hfl3.trainers.optimizers import optimizer_metadata
-from hfl3.trainers.outputs import OutputFolder
+from hfl3.trainers.outputs import OutputConfig, OutputFolder, RunOutputs
 from hfl3.trainers.pretrain import BitsPerByte, PackedCollator, PretrainTrainer
 from hfl3.trainers.pretrain_config import L3GPTModelArguments, PretrainConfig, PretrainScriptArguments
 from hfl3.trainers.pretrain_data import (
@@ -112,7 +112,8 @@ def build_trainer(model: L3GPTForCausalLM, training_args: PretrainConfig, train_
     `flops_per_token` (`ThroughputConfig`: training FLOPs per token; None: no MFU), greedy samples of `sample_prompts`
     at evaluation (not under ZeRO-3), the CORE metric every `--core_metric_every` steps with `core_bundle`, and
     `callbacks` (a benchmark's clock). `train_dataset`: the recipe's `PackedStream`, or packed rows (`datasets.Dataset`
-    of `input_ids`). `output`: the output folder the recipe's arguments resolved (`RunSetup.output`)."""
+    of `input_ids`). `output`: the output folder the recipe's arguments resolved (`RunSetup.output`), which the
+    trainer's `outputs` (`RunOutputs`, with the output and Hub arguments of `training_args`) writes."""
     bos = tokenizer.bos_token_id if tokenizer is not None else bos_token_id
     evaluating = eval_rows is not None and len(eval_rows) > 0
     trainer = PretrainTrainer(
@@ -121,7 +122,8 @@ def build_trainer(model: L3GPTForCausalLM, training_args: PretrainConfig, train_
         data_collator=PackedCollator(bos, training_args.attend_across_documents),
         processing_class=tokenizer, compute_metrics=BitsPerByte(token_bytes(tokenizer)) if evaluating else None,
         preprocess_logits_for_metrics=BitsPerByte.preprocess_logits_for_metrics if evaluating else None,
-        callbacks=list(callbacks), output_folder=output, throughput=ThroughputConfig(flops_per_token),
+        callbacks=list(callbacks), throughput=ThroughputConfig(flops_per_token),
+        outputs=RunOutputs(OutputConfig.from_args(training_args), output),
     )
     if sample_prompts and tokenizer is not None and evaluating:
         if is_deepspeed_zero3_enabled():  # SampleCallback generates on rank 0 alone; ZeRO-3 needs every rank's shards

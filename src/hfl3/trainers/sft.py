@@ -24,11 +24,11 @@ from trl import SFTTrainer
 import hfl3  # noqa: F401  (registers L3GPT with the Auto classes)
 from hfl3.atomic import write_json_atomic
 from hfl3.evaluate.chat_callback import ChatCoreCallback
+from hfl3.evaluate.chatcore import chatcore_eval_results
 from hfl3.generation import answer_prompts
 from hfl3.models.l3gpt.linear_cross_entropy import linear_cross_entropy, register_zero3_owner
-from hfl3.provenance import base_lineage, portable, stamp_folder
+from hfl3.provenance import base_lineage, portable, sft_model_card, stamp_folder
 from hfl3.trainers.base_model import merge_adapter
-from hfl3.trainers.cards import sft_model_card, usage_name
 from hfl3.trainers.hooks import TrainerHooks
 from hfl3.trainers.outputs import base_model_hub_id
 
@@ -60,7 +60,7 @@ class ChatSFTTrainer(TrainerHooks, SFTTrainer):
         provenance: metadata to attach to every saved artifact; may be replaced before the final `save_model`.
         train_supervised_tokens: the supervised tokens of one epoch of `train_dataset` (`SFTData`), for the results'
             `train_supervised_tokens` and their rate (`run_results`).
-        **kwargs: as for `SFTTrainer` (and `output_folder`, `optimizer_state`: `TrainerHooks`').
+        **kwargs: as for `SFTTrainer` (and `outputs`, `optimizer_state`: `TrainerHooks`').
 
     Raises:
         ValueError: a train/eval dataset has `input_ids` but no `labels`.
@@ -108,9 +108,9 @@ class ChatSFTTrainer(TrainerHooks, SFTTrainer):
         if self.compact_loss:
             add_supervised_nll(self._base_model(), owner=self.model)
 
-    def model_card(self, metadata: Mapping[str, Any]) -> dict:
-        """`write_model_card` arguments for the adapter (`sft_model_card`)."""
-        return sft_model_card(metadata, usage_name(self), adapter=True)
+    def model_card(self, metadata: Mapping[str, Any], name: str) -> dict:
+        """`write_model_card` arguments for the adapter loaded as `name` (`sft_model_card`)."""
+        return sft_model_card(metadata, name, adapter=True, model_index=chatcore_eval_results)
 
     def base_hub_id(self, local_name: str | None = None) -> str | None:
         """The base model's Hub id: `provenance["base_model"]["hub_id"]` (the recipe's `--base_model_hub_id`, or
@@ -243,9 +243,10 @@ def save_merged_model(trainer: ChatSFTTrainer, folder: str | os.PathLike, metada
     trainer.processing_class.save_pretrained(folder)
     # the adapter folder (staged, stamped) is the merged model's base: its link names where it will be committed
     merged_metadata = {**metadata, "merged": True,
-                       "lineage": base_lineage(folder.parent, name=trainer.final_output_dir)}
-    stamp_folder(folder, merged_metadata, sft_model_card(merged_metadata, usage_name(trainer, folder), adapter=False))
-    logger.info("merged model written to %s", Path(trainer.final_output_dir) / folder.name)
+                       "lineage": base_lineage(folder.parent, name=trainer.outputs.config.output_dir)}
+    stamp_folder(folder, merged_metadata, sft_model_card(merged_metadata, trainer.outputs.usage_name(folder),
+                                                         adapter=False, model_index=chatcore_eval_results))
+    logger.info("merged model written to %s", trainer.outputs.path / folder.name)
     return folder
 
 

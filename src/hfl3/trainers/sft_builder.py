@@ -17,9 +17,9 @@ from hfl3.evaluate.chat_callback import ChatCoreCallback, chatcore_problems_for_
 from hfl3.provenance import base_lineage, build_metadata, config_sha256
 from hfl3.trainers.arguments import RunSetup, apply_evaluation, check_sft_arguments, decide_evaluation
 from hfl3.trainers.base_model import load_base_model, quantization_metadata
-from hfl3.trainers.guards import check_vocabulary_fits
+from hfl3.trainers.inputs import check_vocabulary_fits
 from hfl3.trainers.optimizers import optimizer_metadata
-from hfl3.trainers.outputs import base_model_hub_id, work_dir
+from hfl3.trainers.outputs import OutputConfig, RunOutputs, base_model_hub_id, work_dir
 from hfl3.trainers.sft import ChatSFTTrainer, save_merged_model, save_samples
 from hfl3.trainers.sft_config import ChatSFTConfig, SFTModelArguments, SFTScriptArguments
 from hfl3.trainers.sft_inheritance import decide_from_base
@@ -105,7 +105,8 @@ def build_sft_trainer(script_args: SFTScriptArguments, training_args: ChatSFTCon
     trainer = ChatSFTTrainer(
         model=model, args=training_args, train_dataset=data.train,
         eval_dataset=data.eval if setup.evaluation.enabled else None, processing_class=tokenizer,
-        peft_config=peft_config, provenance=metadata, output_folder=setup.output,
+        peft_config=peft_config, provenance=metadata,
+        outputs=RunOutputs(OutputConfig.from_args(training_args), setup.output),
         optimizer_state=setup.optimizer_state,
         train_supervised_tokens=data.train_supervised_tokens,
         callbacks=[EarlyStoppingCallback(patience, training_args.early_stopping_threshold)] if patience else None,

@@ -1,9 +1,9 @@
-"""Output folders that survive a kill: where a run writes, checked and resolved before any work, and folders committed
-whole; nothing is lost, and nothing of this machine leaks. The Trainer side (staged checkpoints, the final folder,
-resume checks) is `hfl3.trainers.run_folder`, called by the trainers' hooks (`hfl3.trainers.hooks`).
+"""Where a run writes, checked and resolved before any work, and folders committed whole: nothing is lost, and nothing
+of this machine leaks. What the trainer does with the folder during the run (staged checkpoints, the final folder,
+resume checks, the push) is `hfl3.trainers.outputs.run.RunOutputs`.
 
 - `prepare_output_dir(args) -> OutputFolder`: the recipes' first call (made when their arguments are checked), whose
-  result the trainer holds (`TrainerHooks(output_folder=...)`): nothing re-derives it. Refuses a non-empty
+  result the trainer holds (`RunOutputs.folder`): nothing re-derives it. Refuses a non-empty
   `output_dir` unless the run resumes (`--resume_from_checkpoint latest|true|PATH`) or `--overwrite_output_dir` is
   given, and a push that could not happen; resolves `latest`/`true` to the newest complete checkpoint
   (`latest_checkpoint`); finishes a final folder whose commit was interrupted; probes which machines see rank 0's
@@ -13,9 +13,7 @@ resume checks) is `hfl3.trainers.run_folder`, called by the trainers' hooks (`hf
   reads its checkpoint (`hfl3.distributed`).
 - `commit_folder(staged, folder, replace_all)`: a staged folder moved in, weights last, finished by the next start
   after a kill.
-- An adapter's base model: the local `adapter_config.json` names a local base by its absolute path
-  (`local_base_model`), the only local path in any output, because PEFT resolves `base_model_name_or_path` against
-  the working directory; what is pushed names the base's Hub id (`base_model_hub_id`).
+- `latest_checkpoint`, `checkpoint_problem`: which checkpoints are complete (headers read, never the tensors).
 
 Layout of the staging area, ignored by `get_last_checkpoint`, `rotate_checkpoints` and the Hub upload:
 `output_dir/_hfl3_staging/{checkpoints/checkpoint-N, final, previous, work, resume, upload, run}`; `run` holds the
@@ -133,7 +131,7 @@ def resolve_checkpoint(output_dir: str | os.PathLike, resume_from_checkpoint: st
 @dataclass(frozen=True)
 class OutputFolder:
     """Where a run writes, resolved once before any work (`prepare_output_dir`) and carried into the trainer
-    (`TrainerHooks(output_folder=...)`).
+    (`RunOutputs(folder=...)`).
 
     Attributes:
         path: the output folder (`--output_dir`); its files are replaced only when the run commits its final folder.
@@ -176,7 +174,7 @@ def prepare_output_dir(args, refuse: bool = True) -> OutputFolder:
     `output_dir/_hfl3_staging/resume/`, removed when the run finishes).
 
     Args:
-        refuse: False for a trainer used without a recipe (`TrainerHooks.train`): the same resolution, without
+        refuse: False for a trainer used without a recipe (`RunOutputs.start`): the same resolution, without
             the checks of a recipe's arguments (a non-empty folder, a push).
 
     Raises:
@@ -367,32 +365,3 @@ def _repoint_best_checkpoint(checkpoint: Path, run_dir: Path, folder: Path) -> N
         if best and Path(best).parent == run_dir:
             values["best_model_checkpoint"] = str(folder / Path(best).name)
             write_json_atomic(state, values)
-
-
-def base_model_hub_id(name_or_path: str, given: str | None = None) -> str | None:
-    """The Hub id of a base model, for what is pushed to the Hub (its `adapter_config.json` and card): `given`
-    (`--base_model_hub_id`); `name_or_path` itself when it is not a local folder (a Hub id); else what the folder
-    knows: the `hub_model_id` in its `metadata.json` (an hfl3 pretraining run that named its Hub repository), or the
-    repository of a Hugging Face cache snapshot (`.../models--OWNER--NAME/snapshots/REVISION`). None when nothing
-    names one."""
-    if given:
-        return given
-    base = Path(name_or_path)
-    if not base.is_dir():
-        return name_or_path
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        hub_id = json.loads((base / "metadata.json").read_text()).get("training_args", {}).get("hub_model_id")
-        if hub_id and is_hub_id(hub_id):
-            return hub_id
-    resolved = base.resolve()
-    if resolved.parent.name == "snapshots" and resolved.parent.parent.name.startswith("models--"):
-        return resolved.parent.parent.name.removeprefix("models--").replace("--", "/")
-    return None
-
-
-def local_base_model(name_or_path: str) -> str:
-    """What a locally written `adapter_config.json` names as `base_model_name_or_path`: a local folder as its
-    absolute path, because PEFT (`AutoPeftModelForCausalLM`, vLLM, TRL's scripts) resolves it against the working
-    directory of whoever loads the adapter; a Hub id as given. The one place an hfl3 output holds a local path: the
-    copy pushed to the Hub names the base's Hub id instead (`ChatSFTTrainer.hub_files`)."""
-    return str(Path(name_or_path).resolve()) if Path(name_or_path).is_dir() else name_or_path
