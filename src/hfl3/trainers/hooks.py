@@ -7,13 +7,13 @@ lines around `super()` that hand the work to what the trainer holds:
 
 | hook | what it adds |
 |---|---|
-| `__init__` | the trainer's own `hand_over_arguments` first, the push taken over (uploaded once at the end), then after the Trainer's: the output folder's state, Muon's refusal of what it cannot run under, the NaN/inf check, the trainer's own `set_up` |
+| `__init__` | the trainer's own `hand_over_arguments` first, the push taken over (uploaded once at the end), then after the Trainer's: the output folder's state, the optimizer's component (`optimizers.OptimizerSetup`: Muon's refusal of what it cannot run under), the NaN/inf check, the trainer's own `set_up` |
 | `train` | the output folder and resume checkpoint resolved and checked (`run_folder.start_run`), and after it the best model to every machine (`end_run`) |
 | `get_batch_samples` | a finished run trains nothing more; a streamed batch's state into `data_progress`, tensors copied without blocking |
 | `training_step` | the loss tallied and checked for NaN/inf on the device (`metrics.StepMetrics`) |
 | `_get_grad_norm` (private, pinned) | the pre-clipping gradient norm checked on the device |
 | `log` | metrics the trainer gathered since the last log (`micro_batch_metrics`), the session throughput left out where the trainer says so, the run's loss and whole-run figures after a resume (`run_folder.whole_run_log`) |
-| `create_optimizer_and_scheduler`, `create_optimizer`, `create_scheduler` | MuonAdamW or the Trainer's optimizer, scaled, warm-started; the WSD schedule's steps (`hfl3.trainers.optimizers`) |
+| `create_optimizer_and_scheduler`, `create_optimizer`, `create_scheduler` | handed to `optimizer_setup` (`hfl3.trainers.optimizers.OptimizerSetup`): MuonAdamW or the Trainer's optimizer, scaled, warm-started; the WSD schedule's steps |
 | `_save_checkpoint` (private, pinned) | the staged checkpoint, renamed when whole (`run_folder.save_checkpoint`) |
 | `save_model`, `create_model_card`, `save_metrics`, `save_state` | no `training_args.bin`, provenance and card on every saved folder, local paths out of the saved results |
 
@@ -24,6 +24,7 @@ What each trainer adds it defines once, in its own class: `hand_over_arguments` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -40,8 +41,9 @@ from hfl3.atomic import write_json_atomic
 from hfl3.callbacks import save_loss_png
 from hfl3.data.streaming import DATA_STATE_KEY
 from hfl3.provenance import portable
-from hfl3.trainers import optimizers, run_folder
+from hfl3.trainers import run_folder
 from hfl3.trainers.metrics import NonFiniteCheck, StepMetrics
+from hfl3.trainers.optimizers import OptimizerSetup
 from hfl3.trainers.outputs import OutputFolder
 
 logger = logging.getLogger(__name__)
@@ -56,7 +58,8 @@ class TrainerHooks:
         output_folder: where the run writes, as the recipe's `prepare_output_dir` resolved it before any work (the
             resume checkpoint, the replacing run's checkpoint folder, the machines' disks); without it, `train`
             resolves it once, the same way, from `args.output_dir` and its `resume_from_checkpoint` argument.
-        optimizer_state: a file `hfl3.optim.state_file.save_optimizer_state` wrote, to warm-start the optimizer from.
+        optimizer_setup: the run's optimizer (`hfl3.trainers.optimizers.OptimizerSetup`, built from `args`; it then
+            reads the trainer's `self.args`); without it, one is built from them (no warm start).
         provenance: a `build_metadata` dict stamped into every saved folder, or None (nothing stamped).
 
     `TrainingArguments.push_to_hub` is taken over at construction: the Trainer would otherwise upload unfinished
@@ -64,6 +67,7 @@ class TrainerHooks:
     the end (`hub_strategy` "end"), with the same `hub_model_id`, `hub_private_repo`, `hub_token` and `hub_revision`.
 
     Attributes:
+        optimizer_setup: what the optimizer hooks hand their work to.
         step_metrics: what each step records without a device sync (`hfl3.trainers.metrics.StepMetrics`).
         run_totals: the resumed checkpoint's `{"train_loss_sum", "train_runtime", "global_step"}`, zeros when the run
             started from scratch.
@@ -81,7 +85,7 @@ class TrainerHooks:
     provenance: dict | None = None  # read by `create_model_card` and `save_model` whenever they run
 
     def __init__(self, *args, output_folder: OutputFolder | None = None,
-                 optimizer_state: str | os.PathLike | None = None, provenance: dict | None = None, **kwargs):
+                 optimizer_setup: OptimizerSetup | None = None, provenance: dict | None = None, **kwargs):
         args, kwargs = self.hand_over_arguments(args, kwargs)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         self.push_at_end = bool(training_args is not None and training_args.push_to_hub)
@@ -94,8 +98,8 @@ class TrainerHooks:
         self.run_totals = dict(run_folder.NO_TOTALS)
         self.train_started = time.time()
         self.step_metrics = StepMetrics()
-        self.optimizer_state = optimizer_state
-        optimizers.refuse_what_muon_cannot_run_under(self.args)
+        self.optimizer_setup = optimizer_setup or OptimizerSetup(self.args)  # refuses what Muon cannot run under
+        self.optimizer_setup.args = self.args  # the arguments the Trainer reads (`hand_over_arguments` may copy them)
         self.add_callback(NonFiniteCheck(lambda control: self.check_finite(parameters=control.should_save),
                                          at_train_begin=self.step_metrics.nonfinite.clear))
         self.micro_batch_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
@@ -180,22 +184,24 @@ class TrainerHooks:
     # ---- the optimizer ----
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        self.num_training_steps = num_training_steps
+        self.optimizer_setup.num_training_steps = num_training_steps
         super().create_optimizer_and_scheduler(num_training_steps)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
-            optimizers.create_optimizer(self, model, super().create_optimizer)
+            self.optimizer = self.optimizer_setup.create_optimizer(
+                model or self.model, functools.partial(super().create_optimizer, model),
+                getattr(self, "resume_checkpoint", None))
             return self.optimizer
         return super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        optimizers.set_schedule_defaults(self.args, num_training_steps)
+        self.optimizer_setup.set_schedule_defaults(num_training_steps)
         return super().create_scheduler(num_training_steps, optimizer)
 
     def save_optimizer_state(self) -> Path | None:
-        """`optimizers.write_optimizer_state`: `optimizer/optimizer.safetensors` in the (staged) output folder."""
-        return optimizers.write_optimizer_state(self)
+        """`OptimizerSetup.save_state`: `optimizer/optimizer.safetensors` in the (staged) output folder."""
+        return self.optimizer_setup.save_state(self)
 
     # ---- saved folders ----
 
