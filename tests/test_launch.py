@@ -157,6 +157,39 @@ def test_check_launch_reads_what_was_launched_and_what_was_set_up(monkeypatch):
         check_launch(_training_args("MULTI_CPU", 2))
 
 
+LAUNCH_READINGS = [
+    # (id, launcher's variables, TrainingArguments fields, what was asked for, DeepSpeed config, (FSDP version, offload))
+    ("one-process", {}, {}, "ddp", None, (None, False)),
+    ("zero2-env", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, {}, "deepspeed",
+     {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}}},
+     (None, False)),
+    ("deepspeed-args", {}, {"deepspeed": {"zero_optimization": {"stage": 3}}}, "deepspeed",
+     {"zero_optimization": {"stage": 3}}, (None, False)),
+    ("fsdp2-env", {"ACCELERATE_USE_FSDP": "1", "FSDP_VERSION": "2"}, {}, "fsdp", None, (2, False)),
+    ("fsdp-args", {}, {"fsdp": "full_shard offload"}, "fsdp", None, (1, True)),
+]
+
+
+@pytest.mark.parametrize("env, fields, requested, deepspeed, fsdp", [case[1:] for case in LAUNCH_READINGS],
+                         ids=[case[0] for case in LAUNCH_READINGS])
+def test_the_launch_is_read_in_one_place_for_check_launch_and_muon(env, fields, requested, deepspeed, fsdp,
+                                                                    monkeypatch):
+    """`hfl3.optim.Launch` is what `check_launch` (what was asked for) and Muon's refusal (the DeepSpeed config, the
+    FSDP version) read: the launcher's variables (a flag as "1" or "true") and the arguments, the same way."""
+    from accelerate.state import AcceleratorState
+
+    from hfl3.optim import Launch
+
+    monkeypatch.setattr(AcceleratorState, "_shared_state", {})  # no Accelerator yet, as when check_launch runs
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "FSDP_VERSION", "FSDP_OFFLOAD_PARAMS",
+                 "ACCELERATE_DEEPSPEED_CONFIG_FILE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    launch = Launch(SimpleNamespace(**{"fsdp": "", "deepspeed": None, **fields}))
+    assert (launch.requested, launch.deepspeed_config, launch.fsdp, launch.launched) == (requested, deepspeed, fsdp, 1)
+
+
 def test_a_launch_error_ends_the_recipe_with_one_line_and_status_2(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["recipes/pretrain.py"])
     with pytest.raises(SystemExit) as exit_info, recipe_exits():

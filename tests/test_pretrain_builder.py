@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from hfl3.trainers import pretrain_builder
 from hfl3.trainers.outputs import folder
 from recipe_setup import set_up_recipe
 from hfl3.trainers.compute_optimal import apply_plan, parameter_counts
@@ -74,3 +75,15 @@ def test_the_output_folder_is_resolved_once_and_is_what_the_trainer_uses(tmp_pat
     run.trainer.train()
     assert len(probes) == 1  # no second probe, resolution or checkpoint lookup in train()
     assert run.trainer.outputs.folder is setup.output and run.trainer.outputs.resume_checkpoint is None
+
+
+def test_the_builder_refuses_what_muon_cannot_run_under_before_any_data_work(tmp_path, pretrain_recipe, repo_root,
+                                                                              monkeypatch):
+    """The run's `OptimizerSetup` is built first: a ZeRO-3 config that offloads the parameters, under which Muon's
+    sharded step cannot run, is refused before the corpus is opened or a tokenizer trained."""
+    script, training_args, model_args, setup = parsed(pretrain_recipe, repo_root, tmp_path / "out")
+    monkeypatch.setattr(training_args, "deepspeed", {"zero_optimization": {"stage": 3,
+                                                                           "offload_param": {"device": "cpu"}}})
+    monkeypatch.setattr(pretrain_builder, "open_data", lambda *args: pytest.fail("the corpus was opened first"))
+    with pytest.raises(RuntimeError, match="MuonAdamW cannot run under this setup: ZeRO offload_param to cpu"):
+        build_pretraining(script, training_args, model_args, setup)

@@ -119,3 +119,32 @@ def test_the_hooks_together(tmp_path):
         == "MuonAdamW"
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
     assert (tmp_path / "checkpoint-1" / "hfl3_run.json").is_file()
+
+
+@pytest.mark.parametrize("trainer_class", [PretrainTrainer, ChatSFTTrainer])
+def test_both_trainers_refuse_what_muon_cannot_run_under_when_built(trainer_class, tmp_path, assets, monkeypatch):
+    """A DeepSpeed config with its own `optimizer` block: DeepSpeed would build that optimizer and never call the
+    Trainer's `create_optimizer`, so the trainer's `OptimizerSetup` refuses it at construction, before any step; the
+    same trainer without Muon, or with Muon outside DeepSpeed, is built."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
+    model = L3GPTForCausalLM(L3GPTConfig.from_depth(1, vocab_size=len(tokenizer), aspect_ratio=64, head_dim=32,
+                                                    max_position_embeddings=16))
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 4, "labels": [[1, 2, 3, 4]] * 4})
+    config_class = PretrainConfig if trainer_class is PretrainTrainer else ChatSFTConfig
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(name, raising=False)
+
+    def build(optim: str, deepspeed: dict | None):
+        args = config_class(output_dir=str(tmp_path), optim=optim, max_steps=2, max_length=16, report_to="none",
+                            use_cpu=True, eval_strategy="no", save_strategy="no", disable_tqdm=True)
+        monkeypatch.setattr(args, "deepspeed", deepspeed)  # as `--deepspeed` gives it, without starting DeepSpeed
+        return trainer_class(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+
+    with pytest.raises(RuntimeError, match="MuonAdamW cannot run under this setup: the DeepSpeed config has an "
+                                           "'optimizer' block"):
+        build("muon", {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}})
+    assert build("muon", None).optimizer_setup.use_muon
+    assert not build("adamw_torch", {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}
+                     ).optimizer_setup.use_muon

@@ -1,8 +1,8 @@
 """Parameter groups by module kind for `MuonAdamW`, and its construction from `TrainingArguments` for the Trainer.
 
 `param_groups_by_kind` sorts parameters by module type and shape, never by name patterns; `create_muon_optimizer`
-is the one-liner for any `transformers.Trainer`: `muon_optimizer` after refusing, through `launch_checks`, the
-DeepSpeed/FSDP setups in which Muon cannot run.
+is the one-liner for any `transformers.Trainer`: it refuses the DeepSpeed/FSDP setups in which Muon cannot run
+(`hfl3.optim.launch`), then builds the groups and the optimizer.
 """
 
 import logging
@@ -11,7 +11,7 @@ from dataclasses import fields
 
 from torch import nn
 
-from .launch_checks import refuse_unsupported_sharding
+from .launch import refuse_unsupported_sharding
 from .muon import MuonAdamW
 from .settings import GroupLearningRates, MuonSettings
 
@@ -147,28 +147,11 @@ def create_muon_optimizer(
     compile_update: bool | None = None,
     **hyperparameters,
 ) -> MuonAdamW:
-    """`muon_optimizer` for a setup Muon can run under: the one line for any `transformers.Trainer`::
+    """Build a `MuonAdamW` for `model` from a `TrainingArguments`, after refusing a distributed setup Muon cannot
+    run under (`refuse_unsupported_sharding`): the one line for any `transformers.Trainer`::
 
         trainer = Trainer(model=model, args=args, train_dataset=ds,
                           optimizers=(create_muon_optimizer(model, args, num_training_steps=1000), None))
-
-    Raises:
-        RuntimeError: for a distributed setup Muon cannot run under (`refuse_unsupported_sharding`).
-        ValueError: as `muon_optimizer`.
-    """
-    refuse_unsupported_sharding(args)
-    return muon_optimizer(model, args, num_training_steps, compile_update, **hyperparameters)
-
-
-def muon_optimizer(
-    model: nn.Module,
-    args,
-    num_training_steps: int | None = None,
-    compile_update: bool | None = None,
-    **hyperparameters,
-) -> MuonAdamW:
-    """Build a `MuonAdamW` for `model` from a `TrainingArguments`, ready for `Trainer(optimizers=...)`, without
-    checking the distributed setup: `create_muon_optimizer` checks it first, `PretrainTrainer` in its `__init__`.
 
     The Trainer then builds its LR scheduler (`args.lr_scheduler_type`, warm-up) on this optimizer;
     the scheduler multiplies every group's own LR, and checkpoints save/restore the optimizer state,
@@ -196,9 +179,11 @@ def muon_optimizer(
     Under DeepSpeed ZeRO-1/2/3 and FSDP2 the optimizer then runs Muon's sharded step (`hfl3.optim.sharded`).
 
     Raises:
+        RuntimeError: for a distributed setup Muon cannot run under (`refuse_unsupported_sharding`).
         ValueError: when the total number of steps is unknown and the weight decay is not 0, or for an
             unknown hyperparameter.
     """
+    refuse_unsupported_sharding(args)
     learning_rate_keys = {item.name for item in fields(GroupLearningRates)}
     muon_keys = {item.name for item in fields(MuonSettings)}
     unknown = set(hyperparameters) - learning_rate_keys - muon_keys - {"hidden_size", "batch_lr_scale"}

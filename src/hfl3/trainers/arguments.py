@@ -13,8 +13,9 @@ Which check lives where, and why:
   other argument, so that a `PretrainConfig` or `ChatSFTConfig` built in Python is refused the same way;
 - first in `set_up_*` (`hfl3.trainers.launch.check_launch`): the launch as accelerate set it up, which needs the
   process group;
-- when the Trainer exists (`hfl3.optim.refuse_unsupported_sharding`, `hfl3.fp8.check_ao_backend`): what Muon or
-  accelerate's FP8 backend cannot run under, read from accelerate's state and the model.
+- when the run's optimizer is built (`hfl3.trainers.optimizers.OptimizerSetup`:
+  `hfl3.optim.refuse_unsupported_sharding`, in the builders before any data work) and when the Trainer exists (`hfl3.fp8.check_ao_backend`): what Muon or
+  accelerate's FP8 backend cannot run under, read from the launch (`hfl3.optim.launch.Launch`) and the model.
 How a value typed into a recipe is read and checked (a file, a folder, a Hub id): `hfl3.trainers.inputs`.
 """
 

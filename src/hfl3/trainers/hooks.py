@@ -7,14 +7,14 @@ lines around `super()` that hand the work to what the trainer holds:
 
 | hook | what it adds |
 |---|---|
-| `__init__` | the trainer's own `hand_over_arguments` first, the output folder (`outputs`, built from the arguments when not given) and its push taken over (uploaded once at the end), then after the Trainer's: the step metrics (`metrics.StepMetrics`, with the throughput's config), Muon's refusal of what it cannot run under, the NaN/inf check, the trainer's own `set_up` |
+| `__init__` | the trainer's own `hand_over_arguments` first, the output folder (`outputs`, built from the arguments when not given) and its push taken over (uploaded once at the end), then after the Trainer's: the step metrics (`metrics.StepMetrics`, with the throughput's config), the optimizer's component (`optimizers.OptimizerSetup`: Muon's refusal of what it cannot run under), the NaN/inf check, the trainer's own `set_up` |
 | `train` | the output folder and resume checkpoint resolved and checked (`outputs.start`), a new throughput window, and after it the peak memory record (`metrics.Throughput`) and the best model to every machine (`outputs.end`) |
 | `get_batch_samples` | a finished run trains nothing more; a streamed batch's state into `data_progress`, tensors copied without blocking |
 | `training_step` | the loss tallied and checked for NaN/inf on the device (`metrics.StepMetrics`) |
 | `_get_grad_norm` (private, pinned) | the pre-clipping gradient norm checked on the device |
 | `log` | metrics the trainer gathered since the last log (`micro_batch_metrics`), the session throughput left out where the trainer says so, the training log's `tok_per_sec` and `mfu` (`metrics.Throughput`, before any callback or reporting integration sees the log), the run's loss and whole-run figures after a resume (`outputs.whole_run_log`) |
 | `evaluate` | hfl3 FP8 layers run in high precision; the throughput window restarts after it |
-| `create_optimizer_and_scheduler`, `create_optimizer`, `create_scheduler` | MuonAdamW or the Trainer's optimizer, scaled, warm-started; the WSD schedule's steps (`hfl3.trainers.optimizers`) |
+| `create_optimizer_and_scheduler`, `create_optimizer`, `create_scheduler` | handed to `optimizer_setup` (`hfl3.trainers.optimizers.OptimizerSetup`): MuonAdamW or the Trainer's optimizer, scaled, warm-started; the WSD schedule's steps |
 | `_save_checkpoint` (private, pinned) | the staged checkpoint, renamed when whole (`outputs.save_checkpoint`); the throughput window restarts after it |
 | `save_model`, `create_model_card`, `save_metrics`, `save_state` | no `training_args.bin`, provenance and card on every saved folder (`outputs.after_save_model`), local paths out of the saved results (`outputs.after_save_state`) |
 | `finish_output`, `push_output` (hfl3's) | the final folder staged and committed whole (`outputs.finish`), uploaded once (`outputs.push`) |
@@ -27,6 +27,7 @@ its output folder says), and the Trainer methods only it overrides.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections import defaultdict
@@ -40,8 +41,8 @@ from transformers.trainer_utils import speed_metrics
 from hfl3 import fp8
 from hfl3.data.streaming import DATA_STATE_KEY
 from hfl3.provenance import portable
-from hfl3.trainers import optimizers
 from hfl3.trainers.metrics import NonFiniteCheck, StepMetrics, ThroughputConfig, save_loss_png
+from hfl3.trainers.optimizers import OptimizerSetup
 from hfl3.trainers.outputs import OutputConfig, RunOutputs
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class TrainerHooks:
             recipe's `prepare_output_dir` resolved before any work); without it, one built from the arguments
             (`OutputConfig.from_args`), which `train` resolves once, the same way, from `args.output_dir` and its
             `resume_from_checkpoint` argument.
-        optimizer_state: a file `hfl3.optim.state_file.save_optimizer_state` wrote, to warm-start the optimizer from.
+        optimizer_setup: the run's optimizer (`hfl3.trainers.optimizers.OptimizerSetup`, built from `args`; it then
+            reads the trainer's `self.args`); without it, one is built from them (no warm start).
         provenance: a `build_metadata` dict stamped into every saved folder, or None (nothing stamped).
         throughput: what each training log's `tok_per_sec` and `mfu` are computed from (default `ThroughputConfig()`:
             no FLOPs per token, so no `mfu`).
@@ -69,6 +71,7 @@ class TrainerHooks:
 
     Attributes:
         outputs: the output folder (`RunOutputs`): resume checkpoint, run totals, staged checkpoints, final folder.
+        optimizer_setup: what the optimizer hooks hand their work to.
         step_metrics: what each step records without a device sync, and the throughput of each training log
             (`hfl3.trainers.metrics.StepMetrics`).
         data_progress: a streamed training dataset's progress (`hfl3.data.streaming.StreamProgress`), else None.
@@ -84,9 +87,8 @@ class TrainerHooks:
     data_progress = None
     provenance: dict | None = None  # read by `create_model_card` and `save_model` whenever they run
 
-    def __init__(self, *args, outputs: RunOutputs | None = None,
-                 optimizer_state: str | os.PathLike | None = None, provenance: dict | None = None,
-                 throughput: ThroughputConfig | None = None, **kwargs):
+    def __init__(self, *args, outputs: RunOutputs | None = None, optimizer_setup: OptimizerSetup | None = None,
+                 provenance: dict | None = None, throughput: ThroughputConfig | None = None, **kwargs):
         args, kwargs = self.hand_over_arguments(args, kwargs)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
@@ -96,8 +98,8 @@ class TrainerHooks:
         self.outputs = outputs or RunOutputs(OutputConfig.from_args(self.args))
         self.provenance = provenance
         self.step_metrics = StepMetrics(throughput)
-        self.optimizer_state = optimizer_state
-        optimizers.refuse_what_muon_cannot_run_under(self.args)
+        self.optimizer_setup = optimizer_setup or OptimizerSetup(self.args)  # refuses what Muon cannot run under
+        self.optimizer_setup.args = self.args  # the arguments the Trainer reads (`hand_over_arguments` may copy them)
         self.add_callback(NonFiniteCheck(lambda control: self.check_finite(parameters=control.should_save),
                                          at_train_begin=self.step_metrics.nonfinite.clear))
         self.micro_batch_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
@@ -107,18 +109,13 @@ class TrainerHooks:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`, resuming from the checkpoint the output folder resolved (`RunOutputs.start`: the folder,
-        or None, is `resume_checkpoint` while it runs). After a resume, `train_loss` and the throughput cover the whole
+        or None, is `outputs.resume_checkpoint` while it runs). After a resume, `train_loss` and the throughput cover the whole
         run (`log`). At the end, a `peak_memory_gb` record in the log history (`Throughput.record_peak_memory`)."""
         checkpoint = self.outputs.start(self, resume_from_checkpoint)
         self.step_metrics.throughput.start()
         output = super().train(checkpoint or None, *args, **kwargs)
         self.step_metrics.throughput.record_peak_memory(self.state)
         return self.outputs.end(self, output)
-
-    @property
-    def resume_checkpoint(self) -> str | None:
-        """The checkpoint the current `train()` resumes from (`outputs.resume_checkpoint`), or None."""
-        return self.outputs.resume_checkpoint
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         """The Trainer's batches for the next optimizer step; none once `max_steps` is reached (transformers 5.23,
@@ -201,22 +198,24 @@ class TrainerHooks:
     # ---- the optimizer ----
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        self.num_training_steps = num_training_steps
+        self.optimizer_setup.num_training_steps = num_training_steps
         super().create_optimizer_and_scheduler(num_training_steps)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
-            optimizers.create_optimizer(self, model, super().create_optimizer)
+            self.optimizer = self.optimizer_setup.create_optimizer(
+                model or self.model, functools.partial(super().create_optimizer, model),
+                self.outputs.resume_checkpoint)
             return self.optimizer
         return super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        optimizers.set_schedule_defaults(self.args, num_training_steps)
+        self.optimizer_setup.set_schedule_defaults(num_training_steps)
         return super().create_scheduler(num_training_steps, optimizer)
 
     def save_optimizer_state(self) -> Path | None:
-        """`optimizers.write_optimizer_state`: `optimizer/optimizer.safetensors` in the (staged) output folder."""
-        return optimizers.write_optimizer_state(self)
+        """`OptimizerSetup.save_state`: `optimizer/optimizer.safetensors` in the (staged) output folder."""
+        return self.optimizer_setup.save_state(self)
 
     # ---- saved folders ----
 

@@ -1,11 +1,13 @@
-"""How a recipe was launched: accelerate's setup checked against the launch (`check_launch`), the gloo process group of a
-`--use_cpu` launch set up with `--ddp_timeout` (`ProcessGroupTimeout`), and the recipes' log format. Their arguments
-are parsed by `hfl3.trainers.arguments` and checked by `hfl3.trainers.setup`; how every multi-process entry point ends
-is `hfl3.distributed.end_distributed_run`."""
+"""How a recipe was launched: accelerate's setup checked against the launch (`check_launch`; the launch itself is read
+by `hfl3.optim.launch.Launch`, as for Muon's refusal), the gloo process group of a `--use_cpu` launch set up with
+`--ddp_timeout` (`ProcessGroupTimeout`), and the recipes' log format. Their arguments are parsed by
+`hfl3.trainers.arguments` and checked by `hfl3.trainers.setup`; how every multi-process entry point ends is
+`hfl3.distributed.end_distributed_run`."""
 
 import logging
-import os
 from functools import cached_property
+
+from hfl3.optim.launch import Launch
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +74,9 @@ def check_launch(training_args) -> int:
     all-reduce). zero2/zero3.yaml run DeepSpeed with --ddp_backend gloo and with --use_cpu alike.
 
     Args:
-        training_args: the recipe's `TrainingArguments`, parsed (`distributed_state`, `world_size`, `fsdp`,
-            `deepspeed`, `parallel_mode`).
+        training_args: the recipe's `TrainingArguments`, parsed; what was launched and set up is
+            `hfl3.optim.launch.Launch`'s reading of it (`distributed_state`, `world_size`, `fsdp`, `deepspeed`, the
+            launcher's variables).
 
     Returns:
         The world size.
@@ -81,20 +84,13 @@ def check_launch(training_args) -> int:
     Raises:
         LaunchError: the setup differs from the launch (`launch_problem`'s message).
     """
-    distributed_type = training_args.distributed_state.distributed_type.value
-    logger.info("world size %d (%s, accelerate distributed type %s)", training_args.world_size,
-                training_args.parallel_mode, distributed_type)
-    if _flag("ACCELERATE_USE_FSDP") or training_args.fsdp:
-        requested = "fsdp"
-    elif _flag("ACCELERATE_USE_DEEPSPEED") or training_args.deepspeed:
-        requested = "deepspeed"
-    else:
-        requested = "ddp"
-    problem = launch_problem(requested, distributed_type, training_args.world_size,
-                             int(os.environ.get("WORLD_SIZE", "1")))
+    launch = Launch(training_args)
+    logger.info("world size %d (%s, accelerate distributed type %s)", launch.world_size, training_args.parallel_mode,
+                launch.distributed_type)
+    problem = launch_problem(launch.requested, launch.distributed_type, launch.world_size, launch.launched)
     if problem:
         raise LaunchError(problem)
-    return training_args.world_size
+    return launch.world_size
 
 
 def set_up_process_group(training_args) -> None:
@@ -109,7 +105,7 @@ def set_up_process_group(training_args) -> None:
     import torch.distributed
     from accelerate import PartialState
 
-    if training_args.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+    if training_args.use_cpu and Launch(training_args).launched > 1 and not torch.distributed.is_initialized():
         PartialState(cpu=True, backend=training_args.ddp_backend,
                      timeout=datetime.timedelta(seconds=training_args.ddp_timeout))
 
@@ -128,6 +124,3 @@ class ProcessGroupTimeout:
         set_up_process_group(self)
         return TrainingArguments._setup_devices.func(self)
 
-
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "false").lower() in ("1", "true", "yes")

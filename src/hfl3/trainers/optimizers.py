@@ -1,8 +1,9 @@
-"""The optimizer of both recipes' trainers, declared once: `MuonTrainingArguments` (the Muon fields and `--optim
-muon`, which `PretrainConfig` and `ChatSFTConfig` inherit) and what the trainers' hooks call
-(`hfl3.trainers.hooks.TrainerHooks`): `create_optimizer` (`MuonAdamW` with nanochat's parameter groups or the
-Trainer's own optimizer, every group's LR scaled, and a warm start from a saved optimizer state),
-`set_schedule_defaults` (the warmup → constant → linear warmdown schedule) and `write_optimizer_state`.
+"""The optimizer of both recipes' trainers, declared once: its config section, `MuonTrainingArguments` (the Muon
+fields and `--optim muon`, which `PretrainConfig` and `ChatSFTConfig` inherit), and the component built from it,
+`OptimizerSetup`, which each trainer holds (`trainer.optimizer_setup`) and its hooks hand the optimizer's work to
+(`hfl3.trainers.hooks.TrainerHooks`): `MuonAdamW` with nanochat's parameter groups or the Trainer's own optimizer,
+every group's LR scaled, a warm start from a saved optimizer state, the warmup → constant → linear warmdown
+schedule, the saved optimizer state and the `optimizer` block of `metadata.json`.
 
 transformers 5.23 has no way to register an optimizer name: `TrainingArguments.__post_init__` converts `optim` to its
 closed enum `OptimizerNames` (unknown names raise), and the Trainer builds only those (`get_optimizer_cls_and_kwargs`,
@@ -16,9 +17,14 @@ becomes `use_muon=True` with `optim` "adamw_torch", what runs MuonAdamW's AdamW 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from hfl3.optim import create_muon_optimizer, param_groups_by_kind, refuse_unsupported_sharding
 from hfl3.optim.settings import GroupLearningRates
 from hfl3.optim.state_file import FILE, load_optimizer_state, save_optimizer_state
 
@@ -62,80 +68,106 @@ class MuonTrainingArguments(GroupLearningRates):
                              "AdamW groups run torch's AdamW, optim adamw_torch); drop --optim or --use_muon")
 
 
-def refuse_what_muon_cannot_run_under(args) -> None:
-    """With `args.use_muon`, refuse the sharded setups Muon cannot run under (`hfl3.optim.refuse_unsupported_sharding`),
-    when the trainer is built: a DeepSpeed config with its own optimizer section never calls `create_optimizer`."""
-    if getattr(args, "use_muon", False):
-        from hfl3.optim import refuse_unsupported_sharding
+class OptimizerSetup:
+    """The optimizer of one run, built from its arguments (their `MuonTrainingArguments` fields and the Trainer's
+    `optim`, `learning_rate`, `weight_decay`, betas, `lr_scheduler_type`) and the file to warm-start from; what a
+    trainer's optimizer hooks delegate to. Built by the builders (`build_sft_trainer`: with the base's optimizer
+    state) or, when a trainer is given none, by `TrainerHooks.__init__` from its arguments.
 
-        refuse_unsupported_sharding(args)
+    Args:
+        args: the run's `TrainingArguments` with the `MuonTrainingArguments` fields (`PretrainConfig`,
+            `ChatSFTConfig`); the trainer that holds the setup replaces them by its own `args` (the same values, in a
+            copy where `ChatSFTTrainer.hand_over_arguments` hands TRL others), which its scheduler reads.
+        optimizer_state: a file `hfl3.optim.state_file.save_optimizer_state` wrote, to warm-start the optimizer from,
+            or None.
 
+    Attributes:
+        num_training_steps: the steps the Trainer plans (`create_optimizer_and_scheduler`), the horizon of Muon's
+            weight decay; None until then (then `args.max_steps`).
 
-def create_optimizer(trainer, model, create_default) -> None:
-    """Build `trainer.optimizer`, the one place both trainers' optimizers come from.
+    Raises:
+        RuntimeError: with `args.use_muon`, a distributed setup Muon cannot run under
+            (`hfl3.optim.refuse_unsupported_sharding`), here, when the trainer is built: a DeepSpeed config with its
+            own optimizer section never calls `create_optimizer`.
+    """
 
-    With `args.use_muon`: `hfl3.optim.muon_optimizer` with the args' group LRs; otherwise the Trainer's own optimizer
-    (`create_default(model)`: `--optim`). Every group's LR is multiplied by `args.batch_lr_scale` (Muon: but the smear
-    group's, as nanochat) and, with Muon, by `args.init_lr_frac` when the args have it (nanochat chat SFT's start at a
-    fraction of the base LRs). With `trainer.optimizer_state` (a file `hfl3.optim.state_file.save_optimizer_state`
-    wrote), the new optimizer is warm-started from it (its momentum buffers and moments; the groups' LRs and step
-    counts stay this run's), unless the run resumes from a checkpoint, whose state the Trainer then loads over it."""
-    args = trainer.args
-    if getattr(args, "use_muon", False):
-        from hfl3.optim import muon_optimizer  # the setup was refused when the trainer was built if Muon cannot run
+    def __init__(self, args, optimizer_state: str | os.PathLike | None = None):
+        self.args = args
+        self.optimizer_state = optimizer_state
+        self.num_training_steps: int | None = None
+        if self.use_muon:
+            refuse_unsupported_sharding(args)
 
-        scale = args.batch_lr_scale * getattr(args, "init_lr_frac", 1.0)
-        trainer.optimizer = muon_optimizer(model or trainer.model, args, batch_lr_scale=scale,
-                                           num_training_steps=getattr(trainer, "num_training_steps", None))
-    else:
-        create_default(model)
-        for group in trainer.optimizer.param_groups:  # before create_scheduler records the groups' initial_lr
-            group["lr"] *= args.batch_lr_scale
-    if trainer.optimizer_state is not None and not getattr(trainer, "resume_checkpoint", None):
-        loaded = load_optimizer_state(trainer.optimizer, model or trainer.model, trainer.optimizer_state)
-        logger.info("optimizer warm-started from the base's optimizer state (%d parameters; this run's LRs)", loaded)
+    @property
+    def use_muon(self) -> bool:
+        return getattr(self.args, "use_muon", False)
 
+    @property
+    def lr_scale(self) -> float:
+        """What multiplies every group's LR: `batch_lr_scale` and, with Muon, `init_lr_frac` when the args have it
+        (nanochat chat SFT's start at a fraction of the base LRs)."""
+        return self.args.batch_lr_scale * (getattr(self.args, "init_lr_frac", 1.0) if self.use_muon else 1.0)
 
-def set_schedule_defaults(args, num_training_steps: int) -> None:
-    """For `warmup_stable_decay`: `num_decay_steps` from `warmdown_ratio` and `min_lr_ratio` from `final_lr_frac`
-    unless `lr_scheduler_kwargs` sets them (linear decay, as nanochat), written into `args.lr_scheduler_kwargs`."""
-    if args.lr_scheduler_type == "warmup_stable_decay":
-        kwargs = dict(args.lr_scheduler_kwargs or {})
-        kwargs.setdefault("num_decay_steps", round(args.warmdown_ratio * num_training_steps))
-        kwargs.setdefault("min_lr_ratio", args.final_lr_frac)
-        kwargs.setdefault("decay_type", "linear")
-        args.lr_scheduler_kwargs = kwargs
+    def create_optimizer(self, model, create_default: Callable[[], torch.optim.Optimizer],
+                         resume_checkpoint: str | None = None) -> torch.optim.Optimizer:
+        """The optimizer of `model`, the one place both trainers' optimizers come from.
 
+        With `args.use_muon`: `hfl3.optim.create_muon_optimizer` with the args' group LRs; otherwise the Trainer's own
+        optimizer (`create_default()`: `--optim`). Every group's LR is multiplied by `lr_scale` (Muon: but the smear
+        group's, as nanochat). With `optimizer_state`, the new optimizer is warm-started from it (its momentum buffers
+        and moments; the groups' LRs and step counts stay this run's), unless the run resumes from
+        `resume_checkpoint`, whose state the Trainer then loads over it."""
+        if self.use_muon:
+            optimizer = create_muon_optimizer(model, self.args, batch_lr_scale=self.lr_scale,
+                                              num_training_steps=self.num_training_steps)
+        else:
+            optimizer = create_default()
+            for group in optimizer.param_groups:  # before create_scheduler records the groups' initial_lr
+                group["lr"] *= self.lr_scale
+        if self.optimizer_state is not None and not resume_checkpoint:
+            loaded = load_optimizer_state(optimizer, model, self.optimizer_state)
+            logger.info("optimizer warm-started from the base's optimizer state (%d parameters; this run's LRs)",
+                        loaded)
+        return optimizer
 
-def write_optimizer_state(trainer) -> Path | None:
-    """`optimizer/optimizer.safetensors` in `args.output_dir` (inside `finish_output`: the staged final folder),
-    written by the main process, for an SFT run's warm start (`hfl3.optim.state_file`). Not under DeepSpeed or FSDP,
-    whose optimizers hold shards (a log line says so). Returns the file, or None."""
-    if trainer.optimizer is None:
-        return None
-    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-        logger.info("%s not written: DeepSpeed and FSDP shard the optimizer state (a fine-tuning of this model starts "
-                    "its optimizer fresh)", FILE)
-        return None
-    path = Path(trainer.args.output_dir) / FILE
-    if trainer.args.should_save:
-        save_optimizer_state(getattr(trainer.optimizer, "optimizer", trainer.optimizer),
-                             trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False), path)
-    return path
+    def set_schedule_defaults(self, num_training_steps: int) -> None:
+        """For `warmup_stable_decay`: `num_decay_steps` from `warmdown_ratio` and `min_lr_ratio` from `final_lr_frac`
+        unless `lr_scheduler_kwargs` sets them (linear decay, as nanochat), written into `args.lr_scheduler_kwargs`."""
+        args = self.args
+        if args.lr_scheduler_type == "warmup_stable_decay":
+            kwargs = dict(args.lr_scheduler_kwargs or {})
+            kwargs.setdefault("num_decay_steps", round(args.warmdown_ratio * num_training_steps))
+            kwargs.setdefault("min_lr_ratio", args.final_lr_frac)
+            kwargs.setdefault("decay_type", "linear")
+            args.lr_scheduler_kwargs = kwargs
 
+    def save_state(self, trainer) -> Path | None:
+        """`optimizer/optimizer.safetensors` in `args.output_dir` (inside `finish_output`: the staged final folder),
+        `trainer.optimizer`'s state written by the main process, for an SFT run's warm start
+        (`hfl3.optim.state_file`). Not under DeepSpeed or FSDP, whose optimizers hold shards (a log line says so).
+        Returns the file, or None."""
+        if trainer.optimizer is None:
+            return None
+        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            logger.info("%s not written: DeepSpeed and FSDP shard the optimizer state (a fine-tuning of this model "
+                        "starts its optimizer fresh)", FILE)
+            return None
+        path = Path(self.args.output_dir) / FILE
+        if self.args.should_save:
+            save_optimizer_state(getattr(trainer.optimizer, "optimizer", trainer.optimizer),
+                                 trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False), path)
+        return path
 
-def optimizer_metadata(args, model) -> dict:
-    """What trains `model` with `args`, for an output's `metadata.json` (`optimizer`) and `python -m hfl3.provenance
-    show`: MuonAdamW's group LRs at their peak (the groups `create_optimizer` builds: `param_groups_by_kind` with the
-    batch LR scale and SFT's `init_lr_frac`), the Muon weight decay and, where SFT derived them, the learning rate
-    they came from (`GroupLearningRates.for_fine_tuning`); else the Trainer's optimizer and its learning rate."""
-    optim = getattr(args.optim, "value", args.optim)
-    if not getattr(args, "use_muon", False):
-        return {"name": optim, "learning_rate": args.learning_rate, "weight_decay": args.weight_decay}
-    from hfl3.optim import param_groups_by_kind
-
-    scale = args.batch_lr_scale * getattr(args, "init_lr_frac", 1.0)
-    groups = param_groups_by_kind(model, args, batch_lr_scale=scale)
-    derived = {"from_learning_rate": args.learning_rate} if args.group_lrs_from_learning_rate else {}
-    return {"name": "MuonAdamW", "learning_rates": {group["name"]: group["lr"] for group in groups},
-            "weight_decay": args.weight_decay, **derived}
+    def metadata(self, model) -> dict:
+        """What trains `model`, for an output's `metadata.json` (`optimizer`) and `python -m hfl3.provenance show`:
+        MuonAdamW's group LRs at their peak (the groups `create_optimizer` builds: `param_groups_by_kind` with
+        `lr_scale`), the Muon weight decay and, where SFT derived them, the learning rate they came from
+        (`GroupLearningRates.for_fine_tuning`); else the Trainer's optimizer and its learning rate."""
+        args = self.args
+        optim = getattr(args.optim, "value", args.optim)
+        if not self.use_muon:
+            return {"name": optim, "learning_rate": args.learning_rate, "weight_decay": args.weight_decay}
+        groups = param_groups_by_kind(model, args, batch_lr_scale=self.lr_scale)
+        derived = {"from_learning_rate": args.learning_rate} if args.group_lrs_from_learning_rate else {}
+        return {"name": "MuonAdamW", "learning_rates": {group["name"]: group["lr"] for group in groups},
+                "weight_decay": args.weight_decay, **derived}

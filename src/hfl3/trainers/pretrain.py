@@ -138,7 +138,7 @@ class PretrainTrainer(TrainerHooks, Trainer):
             return super().get_train_dataloader()
         key = (self.train_dataset.fingerprint(), self.args.process_index, self.args.world_size,
                self.args.dataloader_num_workers)
-        checkpoint = getattr(self, "resume_checkpoint", None)
+        checkpoint = self.outputs.resume_checkpoint
         self.data_progress = StreamProgress.load(checkpoint, *key) if checkpoint else StreamProgress(*key)
         workers = self.args.dataloader_num_workers
         extra = dict(persistent_workers=self.args.dataloader_persistent_workers,

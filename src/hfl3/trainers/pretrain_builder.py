@@ -24,7 +24,7 @@ from hfl3.trainers.arguments import RunSetup, apply_evaluation
 from hfl3.trainers.compute_optimal import (REFERENCE_DEPTH, ComputeOptimalPlan, apply_plan, compute_optimal_plan,
                                           parameter_counts)
 from hfl3.trainers.metrics import ThroughputConfig
-from hfl3.trainers.optimizers import optimizer_metadata
+from hfl3.trainers.optimizers import OptimizerSetup
 from hfl3.trainers.outputs import OutputConfig, OutputFolder, RunOutputs
 from hfl3.trainers.pretrain import BitsPerByte, PackedCollator, PretrainTrainer
 from hfl3.trainers.pretrain_config import L3GPTModelArguments, PretrainConfig, PretrainScriptArguments
@@ -106,14 +106,16 @@ def build_trainer(model: L3GPTForCausalLM, training_args: PretrainConfig, train_
                   flops_per_token: float | None, *,
                   tokenizer=None, bos_token_id: int | None = None, eval_rows: np.ndarray | None = None,
                   output: OutputFolder | None = None, sample_prompts: Sequence[str] = (), core_bundle=None,
-                  callbacks: Sequence[TrainerCallback] = ()) -> PretrainTrainer:
+                  callbacks: Sequence[TrainerCallback] = (),
+                  optimizer_setup: OptimizerSetup | None = None) -> PretrainTrainer:
     """The recipe's `PretrainTrainer` around `model`: `PackedCollator` (BOS of `tokenizer`, else `bos_token_id`),
     bits-per-byte evaluation on `eval_rows` (`(rows, max_length)` token ids; needs `tokenizer`), the throughput at
     `flops_per_token` (`ThroughputConfig`: training FLOPs per token; None: no MFU), greedy samples of `sample_prompts`
     at evaluation (not under ZeRO-3), the CORE metric every `--core_metric_every` steps with `core_bundle`, and
     `callbacks` (a benchmark's clock). `train_dataset`: the recipe's `PackedStream`, or packed rows (`datasets.Dataset`
     of `input_ids`). `output`: the output folder the recipe's arguments resolved (`RunSetup.output`), which the
-    trainer's `outputs` (`RunOutputs`, with the output and Hub arguments of `training_args`) writes."""
+    trainer's `outputs` (`RunOutputs`, with the output and Hub arguments of `training_args`) writes;
+    `optimizer_setup`: the run's optimizer, built from `training_args` (None: built by the trainer from them)."""
     bos = tokenizer.bos_token_id if tokenizer is not None else bos_token_id
     evaluating = eval_rows is not None and len(eval_rows) > 0
     trainer = PretrainTrainer(
@@ -123,7 +125,7 @@ def build_trainer(model: L3GPTForCausalLM, training_args: PretrainConfig, train_
         processing_class=tokenizer, compute_metrics=BitsPerByte(token_bytes(tokenizer)) if evaluating else None,
         preprocess_logits_for_metrics=BitsPerByte.preprocess_logits_for_metrics if evaluating else None,
         callbacks=list(callbacks), throughput=ThroughputConfig(flops_per_token),
-        outputs=RunOutputs(OutputConfig.from_args(training_args), output),
+        outputs=RunOutputs(OutputConfig.from_args(training_args), output), optimizer_setup=optimizer_setup,
     )
     if sample_prompts and tokenizer is not None and evaluating:
         if is_deepspeed_zero3_enabled():  # SampleCallback generates on rank 0 alone; ZeRO-3 needs every rank's shards
@@ -158,6 +160,7 @@ def build_pretraining(script_args: PretrainScriptArguments, training_args: Pretr
         InputError: bad data (`hfl3.data.sources`, no validation row).
     """
     output = setup.output
+    optimizer_setup = OptimizerSetup(training_args)  # Muon's refusals, before any data work
     core_bundle = core_bundle_for_training(training_args)  # --core_metric_every: read (or downloaded) before the data
     documents = open_data(script_args, training_args.seed)
     if not (script_args.tokenizer_name_or_path or output.resume_checkpoint):
@@ -175,7 +178,7 @@ def build_pretraining(script_args: PretrainScriptArguments, training_args: Pretr
                         None if resumed else lambda: data.train.sample_documents(script_args.l3_sample_tokens))
     trainer = build_trainer(model, training_args, data.train, plan.flops_per_token, tokenizer=tokenizer,
                             eval_rows=data.eval_rows, output=output, sample_prompts=script_args.sample_prompts,
-                            core_bundle=core_bundle)
+                            core_bundle=core_bundle, optimizer_setup=optimizer_setup)
     return PretrainRun(trainer, data, plan, script_args, model_args)
 
 
@@ -189,7 +192,7 @@ def finish_pretraining(run: PretrainRun, results: dict) -> None:
         data=data_metadata(run.script_args, run.data, trainer.stream_summary()),  # every rank: what each trained on
         model=trainer.model.config.to_dict(), script_args=asdict(run.script_args), model_args=asdict(run.model_args),
         training_args=trainer.args.to_dict(), compute_optimal=run.plan.as_dict(), results=results,
-        optimizer=optimizer_metadata(trainer.args, trainer.accelerator.unwrap_model(trainer.model)),
+        optimizer=trainer.optimizer_setup.metadata(trainer.accelerator.unwrap_model(trainer.model)),
         evaluation={"core": core.latest.summary()} if core and core.latest else {},
     )
     with trainer.finish_output():  # staged, committed whole: weights, tokenizer, metadata.json, card, results, plot

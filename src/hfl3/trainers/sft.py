@@ -60,7 +60,7 @@ class ChatSFTTrainer(TrainerHooks, SFTTrainer):
         provenance: metadata to attach to every saved artifact; may be replaced before the final `save_model`.
         train_supervised_tokens: the supervised tokens of one epoch of `train_dataset` (`SFTData`), for the results'
             `train_supervised_tokens` and their rate (`run_results`).
-        **kwargs: as for `SFTTrainer` (and `outputs`, `optimizer_state`: `TrainerHooks`').
+        **kwargs: as for `SFTTrainer` (and `outputs`, `optimizer_setup`: `TrainerHooks`').
 
     Raises:
         ValueError: a train/eval dataset has `input_ids` but no `labels`.

@@ -18,7 +18,7 @@ from hfl3.provenance import base_lineage, build_metadata, config_sha256
 from hfl3.trainers.arguments import RunSetup, apply_evaluation, check_sft_arguments, decide_evaluation
 from hfl3.trainers.base_model import load_base_model, quantization_metadata
 from hfl3.trainers.inputs import check_vocabulary_fits
-from hfl3.trainers.optimizers import optimizer_metadata
+from hfl3.trainers.optimizers import OptimizerSetup
 from hfl3.trainers.outputs import OutputConfig, RunOutputs, base_model_hub_id, work_dir
 from hfl3.trainers.sft import ChatSFTTrainer, save_merged_model, save_samples
 from hfl3.trainers.sft_config import ChatSFTConfig, SFTModelArguments, SFTScriptArguments
@@ -72,6 +72,7 @@ def build_sft_trainer(script_args: SFTScriptArguments, training_args: ChatSFTCon
     for name, (value, source) in setup.settings.items():  # what a full fine-tuning takes from its base
         setattr(training_args, name, value)
         logger.info("%s = %s (from %s)", name, value, source)
+    optimizer_setup = OptimizerSetup(training_args, setup.optimizer_state)  # Muon's refusals, before any data work
     tokenizer = load_sft_tokenizer(model_args, training_args)
     train_file = script_args.train_file
     if script_args.stdlib_chats:  # global rank 0 writes the file, every machine reads it (main_writes)
@@ -98,7 +99,7 @@ def build_sft_trainer(script_args: SFTScriptArguments, training_args: ChatSFTCon
                     "hub_id": base_model_hub_id(model_args.model_name_or_path, model_args.base_model_hub_id),
                     "model_type": model.config.model_type, "config_sha256": config_sha256(model.config),
                     "num_parameters": model.num_parameters(), "quantization": quantization_metadata(model)},
-        training_args=training_args.to_dict(), optimizer=optimizer_metadata(training_args, model),
+        training_args=training_args.to_dict(), optimizer=optimizer_setup.metadata(model),
         lineage=base_lineage(model_args.model_name_or_path, model_args.model_revision, model_args.gguf_file),
     )
     patience = training_args.early_stopping_patience  # the step-0 evaluation does not count (transformers' rule)
@@ -106,8 +107,7 @@ def build_sft_trainer(script_args: SFTScriptArguments, training_args: ChatSFTCon
         model=model, args=training_args, train_dataset=data.train,
         eval_dataset=data.eval if setup.evaluation.enabled else None, processing_class=tokenizer,
         peft_config=peft_config, provenance=metadata,
-        outputs=RunOutputs(OutputConfig.from_args(training_args), setup.output),
-        optimizer_state=setup.optimizer_state,
+        outputs=RunOutputs(OutputConfig.from_args(training_args), setup.output), optimizer_setup=optimizer_setup,
         train_supervised_tokens=data.train_supervised_tokens,
         callbacks=[EarlyStoppingCallback(patience, training_args.early_stopping_threshold)] if patience else None,
     )
