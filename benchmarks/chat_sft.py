@@ -19,7 +19,7 @@ supervised tokens per second of training (the step-0 evaluation excluded; the fi
 the peak RSS (CPU) or CUDA memory; on the Llama base also what the model still knows of its pretraining text, before
 and after (`text_loss`: the mean loss on 32 rows of the stdlib text it was pretrained on), which a fine-tuning that
 wrecks the base raises. Every arm runs one batch of the demo's 16 rows per step (`--gradient_accumulation_steps 1`: a
-full fine-tuning would otherwise take the base's total batch, `hfl3.trainers.sft_inheritance`).
+full fine-tuning would otherwise take the base's total batch, `hfl3.trainers.sft.inheritance`).
 
     python benchmarks/chat_sft.py --json benchmarks/results/chat_sft_cpu.json    # CPU: ~14 min on 2 cores (5: the base)
     python benchmarks/chat_sft.py --arms full_muon full_muon_warm --seeds 0 --max_steps 20
@@ -172,7 +172,7 @@ def run_arm(arm: str, seed: int, base: str, args: ChatSFTArguments, output_dir: 
     sys.path.insert(0, str(REPO_ROOT / "recipes"))
     import sft_lora
 
-    from hfl3.trainers.arguments import parse_recipe_args
+    from hfl3.trainers.cli.arguments import parse_recipe_args
 
     cli = ["--config", str(REPO_ROOT / "recipes" / "configs" / "sft_demo.yaml"), "--model_name_or_path", base,
            "--output_dir", output_dir, "--seed", str(seed), "--max_steps", str(args.max_steps), "--stdlib_chats",

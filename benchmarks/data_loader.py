@@ -54,7 +54,7 @@ from hfl3.data.packing import PackingReport
 from hfl3.data.sources import open_corpus
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream, StreamProgress, stream_dataloader
 from hfl3.tokenization import load_tokenizer, train_tokenizer
-from hfl3.trainers.pretrain import PackedCollator
+from hfl3.trainers.pretraining.trainer import PackedCollator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))

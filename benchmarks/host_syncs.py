@@ -371,8 +371,8 @@ def build_hfl3_trainer(args: HostSyncArguments, optim: str, l3: bool, output_dir
     its `main` runs first (`set_up_pretraining`), then `build_pretraining` (data, BPE, plan, model, trainer and its
     callbacks), at `args`' shape, with `optim` (`muon` or a Trainer optimizer) and one L3 layer when `l3`;
     `args.warmup_steps + args.steps` steps, logging (and with `args.evaluate` evaluating) at the last."""
-    from hfl3.trainers.pretrain_builder import build_pretraining
-    from hfl3.trainers.setup import set_up_pretraining
+    from hfl3.trainers.pretraining.builder import build_pretraining
+    from hfl3.trainers.cli.setup import set_up_pretraining
 
     spec = importlib.util.spec_from_file_location("pretrain_recipe", REPO_ROOT / "recipes" / "pretrain.py")
     recipe = importlib.util.module_from_spec(spec)

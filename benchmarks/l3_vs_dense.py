@@ -58,9 +58,9 @@ import text_corpus as text
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.compute_optimal import parameter_counts
-from hfl3.trainers.pretrain_config import PretrainConfig
-from hfl3.trainers.pretrain_builder import build_model, build_trainer
+from hfl3.trainers.pretraining.compute_optimal import parameter_counts
+from hfl3.trainers.pretraining.config import PretrainConfig
+from hfl3.trainers.pretraining.builder import build_model, build_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ModelShape, find_asset, in_fresh_process, shown_path, write_result  # noqa: E402
@@ -233,7 +233,7 @@ def _proc_status_bytes(key: str) -> int:
 
 
 def make_trainer(args, config, allocation, fpt, tokenizer, packed, seed, output_dir, callbacks, **overrides):
-    """A fresh model (seeded) and the recipe's `PretrainTrainer` around it (`hfl3.trainers.pretrain_builder`);
+    """A fresh model (seeded) and the recipe's `PretrainTrainer` around it (`hfl3.trainers.pretraining.builder`);
     `overrides` go to `PretrainConfig`."""
     set_seed(seed)
     training_args = PretrainConfig(**dict(

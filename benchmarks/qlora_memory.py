@@ -2,7 +2,7 @@
 
 The base has Qwen3-0.6B's shape (hidden 1024, 28 layers, MLP 3072, 16 query and 8 key/value heads of 128, vocabulary
 151,936, tied embeddings; `Qwen3Config`, random weights, saved once in bfloat16 under `--work`). Each arm runs in a
-fresh process on the path the SFT recipe takes: `hfl3.trainers.base_model.load_base_model` with `--dtype bfloat16`
+fresh process on the path the SFT recipe takes: `hfl3.trainers.sft.base_model.load_base_model` with `--dtype bfloat16`
 (`lora`), or with `--load_in_4bit --bnb_4bit_quant_type nf4` too (`qlora_nf4`), then `ChatSFTTrainer` with LoRA r=16
 on q/v over GSM8K chats (the real Qwen3 tokenizer), `--max_steps` steps of `--batch_size` rows, each a chat's last
 `--max_length` tokens.
@@ -124,9 +124,9 @@ def run_arm(arm: str, args: QLoRAArguments, base: str, dtype: str, train: bool) 
 
     from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
     from hfl3.data.sft import load_sft_data
-    from hfl3.trainers.base_model import check_quantization_arguments, load_base_model, quantization_metadata
-    from hfl3.trainers.sft import ChatSFTTrainer
-    from hfl3.trainers.sft_config import ChatSFTConfig, SFTModelArguments
+    from hfl3.trainers.sft.base_model import check_quantization_arguments, load_base_model, quantization_metadata
+    from hfl3.trainers.sft.trainer import ChatSFTTrainer
+    from hfl3.trainers.sft.config import ChatSFTConfig, SFTModelArguments
 
     cuda = torch.cuda.is_available()
     work = Path(args.work) / f"{arm}_{dtype}"

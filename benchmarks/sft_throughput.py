@@ -115,7 +115,7 @@ def worker(row: str, args) -> dict:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         # SFTConfig's default bf16=True refuses to start on a CPU unless use_cpu is set (then: CPU bf16 autocast)
         extra = {"use_cpu": not torch.cuda.is_available()}
-        if row in ("trl_matched", "trl_liger"):  # the recipe's defaults (hfl3.trainers.sft_config.ChatSFTConfig)
+        if row in ("trl_matched", "trl_liger"):  # the recipe's defaults (hfl3.trainers.sft.config.ChatSFTConfig)
             extra.update(bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
                          gradient_checkpointing=False, use_liger_kernel=row == "trl_liger")
         trainer = SFTTrainer(
@@ -128,8 +128,8 @@ def worker(row: str, args) -> dict:
         sys.path.insert(0, str(REPO / "recipes"))
         from sft_lora import make_parser
 
-        from hfl3.trainers.setup import set_up_sft
-        from hfl3.trainers.sft_builder import build_sft_trainer
+        from hfl3.trainers.cli.setup import set_up_sft
+        from hfl3.trainers.sft.builder import build_sft_trainer
 
         with open(subset, "w", encoding="utf-8") as f:
             f.writelines(json.dumps({"messages": list(r.messages)}) + "\n" for r in records)

@@ -1,4 +1,4 @@
-"""Overhead of hfl3's training path (the recipe's `PretrainTrainer` from `hfl3.trainers.pretrain_builder`: its
+"""Overhead of hfl3's training path (the recipe's `PretrainTrainer` from `hfl3.trainers.pretraining.builder`: its
 collator, callbacks and MuonAdamW) over an equivalent plain PyTorch loop, on the same tiny L3GPT and the same
 batches. Goal: ≤ 1.05×.
 
@@ -40,9 +40,9 @@ from transformers import HfArgumentParser, TrainerCallback, get_scheduler, set_s
 from hfl3 import L3GPTForCausalLM
 from hfl3.models.l3gpt.configuration_l3gpt import flops_per_token
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.pretrain import PackedCollator
-from hfl3.trainers.pretrain_config import PretrainConfig
-from hfl3.trainers.pretrain_builder import build_model, build_trainer
+from hfl3.trainers.pretraining.trainer import PackedCollator
+from hfl3.trainers.pretraining.config import PretrainConfig
+from hfl3.trainers.pretraining.builder import build_model, build_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import text_corpus as text  # noqa: E402

@@ -6,7 +6,7 @@ Arms (each in a fresh process, so compile caches and peak memory are its own):
   dynamic=False)`, `setup_optimizer()`, then `loss = model(x, y); loss.backward(); optimizer.step();
   model.zero_grad(set_to_none=True)`. Its attention is FA3 when its loader can fetch the kernel from the Hub, else
   its SDPA fallback (the case on an offline machine; the arm reports which).
-- `hfl3`: the recipe's path: the model and `PretrainTrainer` (HF Trainer) from `hfl3.trainers.pretrain_builder`
+- `hfl3`: the recipe's path: the model and `PretrainTrainer` (HF Trainer) from `hfl3.trainers.pretraining.builder`
   (`build_model`, `build_trainer`: `MuonAdamW`, `PackedCollator`, the throughput of `hfl3.trainers.metrics`), bf16
   autocast on CUDA, `torch_compile` as asked.
 - `hfl3_l3`: the same with one L3 layer after layer `depth // 2 - 1` (LZW allocation of the token stream).
@@ -299,9 +299,9 @@ def run_hfl3(args: VsNanochatArguments, arm: str, output_dir: str) -> dict:
 
     from hfl3 import fp8
     from hfl3.models.l3gpt.configuration_l3gpt import LEGACY_FIELD_VALUES, flops_per_token
-    from hfl3.trainers.compute_optimal import parameter_counts
-    from hfl3.trainers.pretrain_config import PretrainConfig
-    from hfl3.trainers.pretrain_builder import build_model, build_trainer
+    from hfl3.trainers.pretraining.compute_optimal import parameter_counts
+    from hfl3.trainers.pretraining.config import PretrainConfig
+    from hfl3.trainers.pretraining.builder import build_model, build_trainer
     from l3_flops import l3_lookup_flops_per_token
 
     change = HFL3_ARMS[arm]

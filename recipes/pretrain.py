@@ -32,7 +32,7 @@ final model, also in metadata.json and in the card's model-index), loss.png. The
 `--overwrite_output_dir` is given (the old folder stays whole until this run commits); checkpoints appear only when
 complete.
 
-The run is sized at start by nanochat's compute-optimal dial (`hfl3.trainers.compute_optimal`): steps from
+The run is sized at start by nanochat's compute-optimal dial (`hfl3.trainers.pretraining.compute_optimal`): steps from
 `--max_steps`, else `--target_flops`, else `--target_param_data_ratio` (12); `--total_batch_size` in tokens (-1: auto)
 with the gradient accumulation derived from it; LRs and weight decay rescaled to that batch and horizon. The plan is
 printed as a table and written to metadata.json (`compute_optimal`); `--dry_run` prints it and exits.
@@ -41,11 +41,11 @@ printed as a table and written to metadata.json (`compute_optimal`); `--dry_run`
 import hfl3  # noqa: F401  (before transformers: keeps torchao import-time warnings out of the launch, fp8/ao.py)
 from transformers import set_seed
 
-from hfl3.trainers.arguments import RecipeParser
-from hfl3.trainers.exits import run_recipe
-from hfl3.trainers.pretrain_builder import build_pretraining, finish_pretraining, plan_only
-from hfl3.trainers.pretrain_config import L3GPTModelArguments, PretrainConfig, PretrainScriptArguments
-from hfl3.trainers.setup import set_up_pretraining
+from hfl3.trainers.cli.arguments import RecipeParser
+from hfl3.trainers.cli.exits import run_recipe
+from hfl3.trainers.pretraining.builder import build_pretraining, finish_pretraining, plan_only
+from hfl3.trainers.pretraining.config import L3GPTModelArguments, PretrainConfig, PretrainScriptArguments
+from hfl3.trainers.cli.setup import set_up_pretraining
 from hfl3.trainers.training import train_and_evaluate
 
 

@@ -31,7 +31,7 @@ Any field can be overridden on the command line (`--help` lists the recipe's own
 `--chatcore_every 200` (nanochat's ChatCORE every 200 steps and at the end, `hfl3.evaluate.chat_callback`),
 `--packing`, `--merge`, `--push_to_hub --hub_model_id USER/NAME` (with a local base model: `--base_model_hub_id
 USER/BASE`, unless the base folder's metadata.json names its Hub repository). Every path and name given is checked
-before any work (`hfl3.trainers.arguments.check_sft_inputs`, the first thing `main` runs): a mistyped one ends
+before any work (`hfl3.trainers.cli.arguments.check_sft_inputs`, the first thing `main` runs): a mistyped one ends
 the run with one line and exit status 2.
 
 Outputs in `--output_dir`: the adapter (`peft.AutoPeftModelForCausalLM.from_pretrained(output_dir)` from any working
@@ -46,11 +46,11 @@ packed conversations apart (block-diagonal mask, or sequence boundaries for flas
 """
 
 import hfl3  # noqa: F401  (registers L3GPT; before transformers: keeps torchao's import-time warnings out)
-from hfl3.trainers.arguments import RecipeParser
-from hfl3.trainers.exits import run_recipe
-from hfl3.trainers.setup import set_up_sft
-from hfl3.trainers.sft_builder import build_sft_trainer, finish_sft
-from hfl3.trainers.sft_config import ChatSFTConfig, SFTModelArguments, SFTScriptArguments
+from hfl3.trainers.cli.arguments import RecipeParser
+from hfl3.trainers.cli.exits import run_recipe
+from hfl3.trainers.cli.setup import set_up_sft
+from hfl3.trainers.sft.builder import build_sft_trainer, finish_sft
+from hfl3.trainers.sft.config import ChatSFTConfig, SFTModelArguments, SFTScriptArguments
 from hfl3.trainers.training import train_and_evaluate
 
 

@@ -1,16 +1,16 @@
 """A recipe's arguments as its `__main__` takes them, for tests: parsed by its parser, then checked by what its `main`
-runs first (`hfl3.trainers.setup.set_up_pretraining` / `set_up_sft`)."""
+runs first (`hfl3.trainers.cli.setup.set_up_pretraining` / `set_up_sft`)."""
 
-from hfl3.trainers.arguments import parse_recipe_args, parsed_secrets
-from hfl3.trainers.exits import recipe_exits
-from hfl3.trainers.pretrain_config import PretrainConfig
-from hfl3.trainers.setup import set_up_pretraining, set_up_sft
+from hfl3.trainers.cli.arguments import parse_recipe_args, parsed_secrets
+from hfl3.trainers.cli.exits import recipe_exits
+from hfl3.trainers.pretraining.config import PretrainConfig
+from hfl3.trainers.cli.setup import set_up_pretraining, set_up_sft
 
 
 def parse_and_set_up(recipe, args) -> tuple:
     """`(script_args, training_args, model_args, setup)` for `args` given to `recipe` (the module of
     `recipes/pretrain.py` or `recipes/sft_lora.py`); what the parser or the checks refuse is raised (the checks'
-    refusals as `hfl3.trainers.arguments.ArgumentsError`, a `ValueError`)."""
+    refusals as `hfl3.trainers.cli.arguments.ArgumentsError`, a `ValueError`)."""
     parser, args = recipe.make_parser(), list(args)
     parsed = parser.parse_args_and_config(args)
     set_up = set_up_pretraining if isinstance(parsed[1], PretrainConfig) else set_up_sft

@@ -15,9 +15,9 @@ from transformers import AutoTokenizer
 from hfl3.data.chat import InvalidChatRecord, SFTDataError, read_chat_jsonl
 from hfl3.data.masks import AssistantMasker
 from hfl3.data.sft import load_sft_data
-from hfl3.trainers.arguments import check_sft_arguments, decide_evaluation
-from hfl3.trainers.sft_builder import build_sft_trainer
-from hfl3.trainers.sft_config import ChatSFTConfig
+from hfl3.trainers.cli.arguments import check_sft_arguments, decide_evaluation
+from hfl3.trainers.sft.builder import build_sft_trainer
+from hfl3.trainers.sft.config import ChatSFTConfig
 
 
 def line(messages) -> bytes:

@@ -1,4 +1,4 @@
-"""nanochat's compute-optimal dial (`hfl3.trainers.compute_optimal`): equal to what nanochat master's own
+"""nanochat's compute-optimal dial (`hfl3.trainers.pretraining.compute_optimal`): equal to what nanochat master's own
 `scripts/base_train.py` computes, the formulas, the gradient-accumulation derivation and its errors, and the plan
 reaching the optimizer through `PretrainConfig` and `PretrainTrainer`."""
 
@@ -8,15 +8,15 @@ import math
 import pytest
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
-from hfl3.trainers.compute_optimal import (
+from hfl3.trainers.pretraining.compute_optimal import (
     REFERENCE_TOTAL_BATCH_SIZE,
     apply_plan,
     auto_total_batch_size,
     compute_optimal_plan,
     derive_gradient_accumulation_steps,
 )
-from hfl3.trainers.pretrain import PretrainTrainer
-from hfl3.trainers.pretrain_config import PretrainConfig
+from hfl3.trainers.pretraining.trainer import PretrainTrainer
+from hfl3.trainers.pretraining.config import PretrainConfig
 
 # nanochat master (karpathy/nanochat 92d63d4) run on its own code, up to its training loop, on the meta device:
 #   python dev/nanochat_dial_reference.py --nanochat_dir PATH/TO/nanochat --depth D --world_size W [-- EXTRA]

@@ -363,8 +363,8 @@ def test_training_evaluates_every_n_steps_and_at_the_end(saved_models, assets, t
     from hfl3 import L3GPTForCausalLM
     from hfl3.evaluate import CoreMetricCallback
     from hfl3.tokenization import load_tokenizer
-    from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator
-    from hfl3.trainers.pretrain_config import PretrainConfig
+    from hfl3.trainers.pretraining.trainer import PretrainTrainer, PackedCollator
+    from hfl3.trainers.pretraining.config import PretrainConfig
 
     tokenizer = load_tokenizer(str(saved_models / "l3gpt"))
     model = L3GPTForCausalLM.from_pretrained(saved_models / "l3gpt", dtype=torch.float32)

@@ -139,7 +139,7 @@ def test_external_names_are_still_cited():
 def test_the_check_tells_a_missing_name_apart():
     text = ("## Layers\n`L3GPTConfig`, `_NoSuchScores`, `no_such_function(x)`, `src/hfl3/no_such.py`, `no_such.yaml`, "
             "`test_no_such_thing`, [x](../benchmarks/no_such.py), [y](#layers), [z](#no-such-section), STYLE.md, "
-            "trainers/no_such.py and trainers/arguments.py in plain text, accelerate_configs/X.yaml")
+            "trainers/no_such.py and trainers/cli/arguments.py in plain text, accelerate_configs/X.yaml")
     assert missing_citations(text) == ["file benchmarks/no_such.py", "file src/hfl3/no_such.py",
                                        "file STYLE.md", "file no_such.yaml", "file trainers/no_such.py",
                                        "anchor #no-such-section", "name _NoSuchScores", "name no_such_function",
@@ -180,10 +180,10 @@ def traced_windows(recipe: str, assets, tmp_path) -> dict[int, set[str]]:
     from hfl3.data.sft import load_sft_data
     from hfl3.data.stdlib import stdlib_docstring_chats
     from hfl3.tokenization import train_tokenizer
-    from hfl3.trainers.pretrain import PackedCollator, PretrainTrainer
-    from hfl3.trainers.pretrain_config import PretrainConfig
-    from hfl3.trainers.sft import ChatSFTTrainer
-    from hfl3.trainers.sft_config import ChatSFTConfig
+    from hfl3.trainers.pretraining.trainer import PackedCollator, PretrainTrainer
+    from hfl3.trainers.pretraining.config import PretrainConfig
+    from hfl3.trainers.sft.trainer import ChatSFTTrainer
+    from hfl3.trainers.sft.config import ChatSFTConfig
 
     torch.manual_seed(0)
     common = dict(output_dir=str(tmp_path / "out"), max_steps=4, logging_steps=2, save_strategy="no",

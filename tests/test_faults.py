@@ -28,9 +28,9 @@ from hfl3.trainers.outputs import (
     latest_checkpoint,
     prepare_output_dir,
 )
-from hfl3.trainers.exits import run_recipe
-from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator
-from hfl3.trainers.pretrain_config import PretrainConfig
+from hfl3.trainers.cli.exits import run_recipe
+from hfl3.trainers.pretraining.trainer import PretrainTrainer, PackedCollator
+from hfl3.trainers.pretraining.config import PretrainConfig
 
 # No evaluation: what is checked is what the kills leave and the weights the resumptions reach
 TINY = ["--max_steps", "12", "--save_strategy", "steps", "--save_steps", "4", "--logging_steps", "2",
@@ -272,8 +272,8 @@ def test_sft_saves_no_token_and_resume_refuses_other_data(tmp_path, stream):
     from hfl3.data.chat import write_chat_jsonl
     from hfl3.data.sft import load_sft_data
     from hfl3.provenance import build_metadata
-    from hfl3.trainers.sft import ChatSFTTrainer
-    from hfl3.trainers.sft_config import ChatSFTConfig
+    from hfl3.trainers.sft.trainer import ChatSFTTrainer
+    from hfl3.trainers.sft.config import ChatSFTConfig
 
     lora = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     tokenizer, secret = stream.tokenizer, "hf_" + "Z9y8" * 9

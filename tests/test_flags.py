@@ -1,4 +1,4 @@
-"""Every field of both recipes' argument classes, inherited ones included, is accounted for (`hfl3.trainers.flags`):
+"""Every field of both recipes' argument classes, inherited ones included, is accounted for (`hfl3.trainers.cli.flags`):
 honoured, refused in one line with exit status 2 when the arguments are checked, or not applicable; a field that acts
 only with another setting is refused without it; `--hub_revision` sends the push to its branch; one regular
 expression in `--lora_target_modules` is TRL's and PEFT's."""
@@ -23,13 +23,14 @@ from trl import ModelConfig, SFTConfig, get_peft_config
 
 from hfl3.data.chat import write_chat_jsonl
 from hfl3.provenance import push_folder_to_hub
-from hfl3.trainers import flag_checks, flags
+from hfl3.trainers.cli import flag_checks
+from hfl3.trainers.cli import flags
 from hfl3.errors import InputError
 from hfl3.provenance.portable import is_secret
-from hfl3.trainers.arguments import launch_arguments, parse_recipe_args, parsed_secrets
-from hfl3.trainers.exits import recipe_exits
+from hfl3.trainers.cli.arguments import launch_arguments, parse_recipe_args, parsed_secrets
+from hfl3.trainers.cli.exits import recipe_exits
 from hfl3.trainers.outputs import OutputConfig, RunOutputs
-from hfl3.trainers.sft_builder import build_sft_trainer
+from hfl3.trainers.sft.builder import build_sft_trainer
 from recipe_setup import set_up_recipe
 
 CONFIGS = {"pretrain": "pretrain_tiny.yaml", "sft_lora": "sft_tiny.yaml"}

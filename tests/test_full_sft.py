@@ -18,10 +18,10 @@ from hfl3.optim import create_muon_optimizer
 from hfl3.optim.state_file import load_optimizer_state, read_header, save_optimizer_state
 from hfl3.provenance import read_chain
 from recipe_setup import recipe_main, set_up_recipe
-from hfl3.trainers.pretrain_config import PretrainConfig
-from hfl3.trainers import sft_inheritance
-from hfl3.trainers.sft_builder import build_sft_trainer
-from hfl3.trainers.sft_inheritance import decide_from_base
+from hfl3.trainers.pretraining.config import PretrainConfig
+from hfl3.trainers.sft.trainer import inheritance as sft_inheritance
+from hfl3.trainers.sft.builder import build_sft_trainer
+from hfl3.trainers.sft.inheritance import decide_from_base
 
 PROMPT = "What is 2 + 3?"
 

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 from hfl3.data import inspect as inspect_cli
 from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.sft_config import ChatSFTConfig
-from hfl3.trainers.sft_builder import build_sft_trainer
+from hfl3.trainers.sft.config import ChatSFTConfig
+from hfl3.trainers.sft.builder import build_sft_trainer
 
 GGUF_NAME = "tiny-qwen3-Q8_0.gguf"
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

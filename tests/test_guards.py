@@ -23,10 +23,10 @@ from hfl3.data.sft import load_sft_data
 from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.metrics import NonFiniteTrainingError
-from hfl3.trainers.pretrain import PackedCollator, PretrainTrainer
-from hfl3.trainers.pretrain_config import PretrainConfig
-from hfl3.trainers.sft import ChatSFTTrainer
-from hfl3.trainers.sft_config import ChatSFTConfig
+from hfl3.trainers.pretraining.trainer import PackedCollator, PretrainTrainer
+from hfl3.trainers.pretraining.config import PretrainConfig
+from hfl3.trainers.sft.trainer import ChatSFTTrainer
+from hfl3.trainers.sft.config import ChatSFTConfig
 
 LORA = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 SEQ_LEN, BATCH = 32, 4

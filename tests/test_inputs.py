@@ -1,5 +1,5 @@
 """Every path and name a recipe is given is checked before any work, by the checks its `main` runs first
-(`hfl3.trainers.setup`, `hfl3.trainers.arguments`, `hfl3.trainers.inputs`): a mistyped one is one line naming the
+(`hfl3.trainers.cli.setup`, `hfl3.trainers.cli.arguments`, `hfl3.trainers.cli.inputs`): a mistyped one is one line naming the
 argument, the value and what was expected, exit status 2, with nothing written; a Hub id is looked up once with a
 short timeout, or in the local cache offline. A model or tokenizer folder must hold what the argument needs (a readable
 `config.json`, whole weights, a tokenizer, a chat template for SFT): each problem one line naming the file and the fix,
@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from hfl3.data.chat import write_chat_jsonl
 from hfl3.data.stdlib import stdlib_docstring_chats
-from hfl3.trainers import inputs as recipe_inputs
+from hfl3.trainers.cli import inputs as recipe_inputs
 
 
 def load_recipe(repo_root, name: str):

@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import pytest
 
 import hfl3
-from hfl3.trainers.exits import recipe_exits
+from hfl3.trainers.cli.exits import recipe_exits
 from hfl3.distributed import end_distributed_run
-from hfl3.trainers.arguments import parse_recipe_args
-from hfl3.trainers.launch import LaunchError, check_launch, launch_problem
+from hfl3.trainers.cli.arguments import parse_recipe_args
+from hfl3.trainers.cli.launch import LaunchError, check_launch, launch_problem
 
 # Root logging configured first, as a recipe does, so every logged record would be printed
 LOGGING = "import logging; logging.basicConfig(level=logging.WARNING, format='%(name)s: %(message)s')\n"

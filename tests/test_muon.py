@@ -423,7 +423,7 @@ def test_lr_scale_uses_the_hidden_size():
 
 
 def test_each_setting_is_declared_once_and_read_by_config_grouping_and_update(tmp_path):
-    from hfl3.trainers.pretrain_config import PretrainConfig
+    from hfl3.trainers.pretraining.config import PretrainConfig
 
     # the recipe's config inherits the group LRs (default and help), so --help and a bare param_groups_by_kind agree
     declared = {item.name: (item.default, item.metadata["help"]) for item in fields(GroupLearningRates)}

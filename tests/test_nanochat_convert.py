@@ -26,8 +26,8 @@ from hfl3.nanochat import convert_hf_to_nanochat, convert_nanochat_to_hf
 from hfl3.nanochat.convert_nanochat_to_hf import convert
 from hfl3.nanochat.convert_nanochat_tokenizer import load_nanochat_encoding
 from hfl3.provenance import sha256_file
-from hfl3.trainers.sft_config import ChatSFTConfig
-from hfl3.trainers.sft_builder import build_sft_trainer
+from hfl3.trainers.sft.config import ChatSFTConfig
+from hfl3.trainers.sft.builder import build_sft_trainer
 
 TOLERANCE = 1e-10  # float64 op order only (module docstring)
 STEP = 120

@@ -4,7 +4,7 @@ and the argument classes' own, while parsed); `--help` starts with `--config` an
 Parsing only parses: a recipe's `make_parser().parse_args_and_config(argv)` returns its three argument dataclasses,
 in TRL's order (script, training, model), and nothing else; it reads no file but the `--config` one, writes none,
 lists no folder, reaches no network and starts no process group. The checks of those arguments (paths, the output
-folder, Hub ids, collectives) are the first thing the recipe's `main` does (`hfl3.trainers.setup`), and the guard here
+folder, Hub ids, collectives) are the first thing the recipe's `main` does (`hfl3.trainers.cli.setup`), and the guard here
 shows that they do touch the inputs, so a parse that ran them would fail."""
 
 import importlib.util
@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 import hfl3.distributed
 from hfl3.data.chat import write_chat_jsonl
 from hfl3.data.stdlib import stdlib_docstring_chats
-from hfl3.trainers.arguments import parse_recipe_args
+from hfl3.trainers.cli.arguments import parse_recipe_args
 
 FILE_EVENTS = {"open", "os.listdir", "os.scandir", "os.mkdir", "os.rmdir", "os.remove", "os.rename", "os.unlink",
                "shutil.rmtree", "shutil.copyfile", "os.symlink", "os.link"}

@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 
-from hfl3.trainers import pretrain_builder
+from hfl3.trainers.pretraining import builder as pretrain_builder
 from hfl3.trainers.outputs import folder
 from recipe_setup import set_up_recipe
-from hfl3.trainers.compute_optimal import apply_plan, parameter_counts
-from hfl3.trainers.pretrain_builder import build_model, build_pretraining, build_trainer
+from hfl3.trainers.pretraining.compute_optimal import apply_plan, parameter_counts
+from hfl3.trainers.pretraining.builder import build_model, build_pretraining, build_trainer
 
 TINY = ["--max_steps", "2", "--tokenizer_train_chars", "100000", "--l3_sample_tokens", "20000", "--max_eval_rows",
         "4", "--report_to", "none", "--disable_tqdm", "true", "--dataloader_num_workers", "0", "--optim", "muon"]

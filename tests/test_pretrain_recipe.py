@@ -17,8 +17,8 @@ from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data.sources import open_corpus
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator
-from hfl3.trainers.pretrain_config import PretrainConfig
+from hfl3.trainers.pretraining.trainer import PretrainTrainer, PackedCollator
+from hfl3.trainers.pretraining.config import PretrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,7 @@ def test_optim_selects_the_optimizer_and_muon_takes_the_group_lrs(tmp_path, stre
     """`--optim muon` (the Trainer's own flag) builds MuonAdamW with the `*_lr` fields, recorded as `use_muon` beside
     the `optim` that transformers validated; any other `--optim` the Trainer's optimizer, decaying only matrices."""
     from hfl3.optim import MuonAdamW
-    from hfl3.trainers.arguments import parse_recipe_args
+    from hfl3.trainers.cli.arguments import parse_recipe_args
 
     _, args, _ = parse_recipe_args(pretrain_recipe.make_parser(), [
         "--output_dir", str(tmp_path), "--eval_strategy", "no", "--optim", "muon", "--matrix_lr", "0.05",

@@ -11,8 +11,8 @@ from transformers import TrainerCallback
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.tokenization import train_tokenizer
 from hfl3.trainers.metrics import ThroughputConfig
-from hfl3.trainers.pretrain import PretrainTrainer, PackedCollator
-from hfl3.trainers.pretrain_config import PretrainConfig
+from hfl3.trainers.pretraining.trainer import PretrainTrainer, PackedCollator
+from hfl3.trainers.pretraining.config import PretrainConfig
 
 SEQ_LEN, BATCH = 64, 4
 # Tensor → Python conversions and copies to the host: each one waits for the device to finish all queued work.
@@ -231,11 +231,11 @@ def test_auto_find_batch_size_is_refused_while_parsing(tmp_path):
 
 
 def test_fp8_without_compile_warns_at_start(tmp_path, caplog):
-    with caplog.at_level("WARNING", logger="hfl3.trainers.pretrain_config"):
+    with caplog.at_level("WARNING", logger="hfl3.trainers.pretraining.config"):
         PretrainConfig(output_dir=str(tmp_path), fp8="tensorwise", report_to="none")
     assert "without torch_compile" in caplog.text and "--torch_compile true" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="hfl3.trainers.pretrain_config"):
+    with caplog.at_level("WARNING", logger="hfl3.trainers.pretraining.config"):
         PretrainConfig(output_dir=str(tmp_path), fp8="tensorwise", torch_compile=True, report_to="none")
     assert "without torch_compile" not in caplog.text
 
@@ -244,7 +244,7 @@ def test_nanochats_step_defaults_clip_nothing_with_muon_and_store_bf16_tables(tm
     """With `--optim muon` nothing is clipped (nanochat's base_train), otherwise transformers' 1.0; a value given
     is kept. `--embedding_dtype auto` stores the token and value-embedding tables in bf16 when training in bf16
     (nanochat's `init_weights`), float32 otherwise; `build_model` casts them and leaves the matrices float32."""
-    from hfl3.trainers.pretrain_builder import build_model
+    from hfl3.trainers.pretraining.builder import build_model
 
     common = dict(output_dir=str(tmp_path), report_to="none")
     assert PretrainConfig(**common, optim="muon").max_grad_norm == 0.0

@@ -1,4 +1,4 @@
-"""QLoRA: `--load_in_4bit` / `--load_in_8bit` load the base as TRL does (`hfl3.trainers.base_model`), LoRA trains on
+"""QLoRA: `--load_in_4bit` / `--load_in_8bit` load the base as TRL does (`hfl3.trainers.sft.base_model`), LoRA trains on
 it through `ChatSFTTrainer`, the adapter reloads on a base quantized the same way, the merge equals the adapter
 model, an L3GPT keeps its tables, embeddings and gates in high precision, and bad combinations stop before any work.
 Tiny models from configs, the fixture Qwen3 tokenizer, GSM8K chats; bitsandbytes' CPU backend."""
@@ -15,8 +15,8 @@ from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
 from hfl3.data.sft import load_sft_data
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers import base_model
-from hfl3.trainers.base_model import (
+from hfl3.trainers.sft.trainer import base_model
+from hfl3.trainers.sft.base_model import (
     check_quantization_arguments,
     load_base_model,
     merge_adapter,
@@ -24,8 +24,8 @@ from hfl3.trainers.base_model import (
 )
 from hfl3.evaluate.chatcore import chatcore_eval_results
 from hfl3.provenance.card import sft_model_card
-from hfl3.trainers.sft import ChatSFTTrainer
-from hfl3.trainers.sft_config import ChatSFTConfig, SFTModelArguments
+from hfl3.trainers.sft.trainer import ChatSFTTrainer
+from hfl3.trainers.sft.config import ChatSFTConfig, SFTModelArguments
 
 bnb = pytest.importorskip("bitsandbytes", reason="the qlora extra: pip install 'hfl3[qlora]'")
 
@@ -80,7 +80,7 @@ def linear_layers(model) -> dict[str, torch.nn.Module]:
 
 
 def repacked_layers(model) -> list[str]:
-    """The 4-bit layers whose weights bitsandbytes repacked for its CPU kernel (`hfl3.trainers.base_model`)."""
+    """The 4-bit layers whose weights bitsandbytes repacked for its CPU kernel (`hfl3.trainers.sft.base_model`)."""
     return [name for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear4bit)
             and getattr(module.weight.quant_state, "packing_format_for_cpu", False)]
 

@@ -1,4 +1,4 @@
-"""A recipe's log (`hfl3.trainers.recipe_log`): another library's warning repeated at every step is shown once with a
+"""A recipe's log (`hfl3.trainers.cli.recipe_log`): another library's warning repeated at every step is shown once with a
 count at the end, in both recipes; hfl3's own warnings all show; no credential reaches a log line."""
 
 import logging
@@ -11,8 +11,8 @@ from bitsandbytes.nn import Int8Params
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from hfl3.data.chat import write_chat_jsonl
-from hfl3.trainers.exits import run_recipe
-from hfl3.trainers.recipe_log import recipe_log
+from hfl3.trainers.cli.exits import run_recipe
+from hfl3.trainers.cli.recipe_log import recipe_log
 
 CAST = "MatMul8bitLt: inputs will be cast from torch.float32 to float16 during quantization"
 REPEATED = "a warning shown once above was repeated {count} more times: bitsandbytes.autograd._functions: " + CAST

@@ -21,8 +21,8 @@ from hfl3.data.sft_sources import iter_shard, open_jsonl
 from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.nanochat.convert_nanochat_tokenizer import load_nanochat_encoding, tokenizer_from_encoding
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.exits import recipe_exits
-from hfl3.trainers.arguments import parse_recipe_args
+from hfl3.trainers.cli.exits import recipe_exits
+from hfl3.trainers.cli.arguments import parse_recipe_args
 
 pytestmark = pytest.mark.timeout(120)
 

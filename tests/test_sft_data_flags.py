@@ -19,7 +19,7 @@ from hfl3.data.chat import normalize_record, write_chat_jsonl
 from hfl3.data.inspect import highlight
 from hfl3.data.masks import AssistantMasker
 from hfl3.data.sft import load_sft_data, sft_data_options
-from hfl3.trainers.sft_config import ChatSFTConfig, SFTScriptArguments
+from hfl3.trainers.sft.config import ChatSFTConfig, SFTScriptArguments
 
 pytestmark = pytest.mark.timeout(300)
 

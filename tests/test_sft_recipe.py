@@ -36,11 +36,11 @@ from hfl3.data.sft import load_sft_data
 from hfl3.models.l3gpt.linear_cross_entropy import CHUNK_BYTES
 from hfl3.provenance import sha256_file, sha256_records
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.arguments import parse_recipe_args
-from hfl3.trainers.sft_builder import build_sft_trainer
+from hfl3.trainers.cli.arguments import parse_recipe_args
+from hfl3.trainers.sft.builder import build_sft_trainer
 from hfl3.trainers.outputs import base_model_hub_id, local_base_model
-from hfl3.trainers.sft import ChatSFTTrainer
-from hfl3.trainers.sft_config import ChatSFTConfig
+from hfl3.trainers.sft.trainer import ChatSFTTrainer
+from hfl3.trainers.sft.config import ChatSFTConfig
 from recipe_setup import parse_and_set_up, recipe_main
 
 WORDS = "the king and queen of love shall die good night sweet prince my lord what is this".split()
@@ -356,7 +356,7 @@ def test_max_length_beyond_the_trained_positions_is_warned(tmp_path, l3gpt_folde
                                                             warned):
     data_file = write_chat_jsonl(chats("good", 8, seed=0), tmp_path / "d.jsonl")
     args = ChatSFTConfig(output_dir=str(tmp_path / "out"), max_length=max_length, report_to="none")
-    with caplog.at_level("WARNING", logger="hfl3.trainers.sft_builder"):
+    with caplog.at_level("WARNING", logger="hfl3.trainers.sft.builder"):
         trainer = build_sft_trainer(
             sft_recipe.SFTScriptArguments(train_file=str(data_file), val_split=0.25), args,
             sft_recipe.SFTModelArguments(model_name_or_path=str(l3gpt_folder), lora_r=4)).trainer
@@ -393,7 +393,7 @@ def test_cpu_defaults_differ_from_trl_where_documented(tmp_path, sft_recipe):
 
 def run_recipe(recipe, caplog, *arguments: str) -> tuple[dict, object]:
     """`recipes/sft_lora.py ARGUMENTS` in this process (as its `__main__` does); returns the results and the args."""
-    with caplog.at_level("INFO", logger="hfl3"):  # the arguments are checked first in main (hfl3.trainers.setup)
+    with caplog.at_level("INFO", logger="hfl3"):  # the arguments are checked first in main (hfl3.trainers.cli.setup)
         results, (_, args, _) = recipe_main(recipe, [*arguments, "--disable_tqdm", "true"])
         return results, args
 

@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_leaves
 
-from hfl3.trainers.pretrain import PackedCollator
+from hfl3.trainers.pretraining.trainer import PackedCollator
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from hfl3.data import packing, sources, streaming
 from hfl3.tokenization import BOS_TOKEN, IM_END, IM_START, token_bytes, train_tokenizer
-from hfl3.trainers.pretrain import BitsPerByte, PackedCollator, document_position_ids
+from hfl3.trainers.pretraining.trainer import BitsPerByte, PackedCollator, document_position_ids
 
 
 @pytest.fixture(scope="module")

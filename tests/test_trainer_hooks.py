@@ -15,10 +15,10 @@ from trl import SFTTrainer
 from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.trainers.metrics import NonFiniteTrainingError
 from hfl3.trainers.hooks import TrainerHooks
-from hfl3.trainers.pretrain import PackedCollator, PretrainTrainer
-from hfl3.trainers.pretrain_config import PretrainConfig
-from hfl3.trainers.sft import ChatSFTTrainer
-from hfl3.trainers.sft_config import ChatSFTConfig
+from hfl3.trainers.pretraining.trainer import PackedCollator, PretrainTrainer
+from hfl3.trainers.pretraining.config import PretrainConfig
+from hfl3.trainers.sft.trainer import ChatSFTTrainer
+from hfl3.trainers.sft.config import ChatSFTConfig
 
 EMPTY = inspect.Parameter.empty
 PRIVATE_HOOKS = [
@@ -51,7 +51,7 @@ def test_the_private_device_setup_keeps_its_shape():
     `TrainingArguments` the recipes' arguments override."""
     hook = vars(TrainingArguments).get("_setup_devices")
     assert isinstance(hook, functools.cached_property), "TrainingArguments._setup_devices is gone or changed; lost: " \
-        "--ddp_timeout with --use_cpu (hfl3.trainers.launch.ProcessGroupTimeout)"
+        "--ddp_timeout with --use_cpu (hfl3.trainers.cli.launch.ProcessGroupTimeout)"
     assert list(inspect.signature(hook.func).parameters) == ["self"]
     for config in (PretrainConfig, ChatSFTConfig):
         hfl3_classes = [cls for cls in config.__mro__ if cls.__module__.startswith("hfl3.")]

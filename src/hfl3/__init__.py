@@ -16,7 +16,7 @@ BITSANDBYTES_KERNELS_HUB_MESSAGE = (
 kernel from the Hub (`kernels.get_kernel("kernels-community/quantization-bitsandbytes")`) and logs this when that
 fails, as it always does for hfl3, which runs offline without the `kernels` package. bitsandbytes is imported at every
 recipe start, QLoRA or not (transformers' Trainer imports peft, whose `peft/helpers.py` imports bitsandbytes), and
-hfl3's 4-bit layers never use that kernel (`hfl3.trainers.base_model.load_base_model`), so the line only misleads.
+hfl3's 4-bit layers never use that kernel (`hfl3.trainers.sft.base_model.load_base_model`), so the line only misleads.
 Matched on the whole template: the logger's other records, and this one if bitsandbytes rewords it, still show."""
 
 

@@ -47,7 +47,7 @@ def load_recipe(name: str):
 @contextlib.contextmanager
 def recording_rows(path: Path):
     """While active, `PretrainTrainer.get_batch_samples` appends the hashes of each step's rows to `path`."""
-    from hfl3.trainers.pretrain import PretrainTrainer
+    from hfl3.trainers.pretraining.trainer import PretrainTrainer
 
     original = PretrainTrainer.get_batch_samples
 
@@ -106,7 +106,7 @@ def recording_gradients(path: Path):
 
 def run(plan_path: str) -> None:
     from hfl3.evaluate.__main__ import main as evaluate
-    from hfl3.trainers.exits import recipe_exits
+    from hfl3.trainers.cli.exits import recipe_exits
 
     plan = json.loads(Path(plan_path).read_text())
     results_dir = Path(plan["results_dir"])

@@ -39,7 +39,7 @@ def _worker(rank: int, root: str) -> None:
     seen["from_main"] = _outcome(lambda: distributed.from_main(lambda: int("not a number") if rank == 0 else 1))
 
     def unplannable():
-        from hfl3.trainers.compute_optimal import PlanError
+        from hfl3.trainers.pretraining.compute_optimal import PlanError
 
         raise PlanError("target_flops=1 is less than one step")
 

@@ -1,5 +1,5 @@
 """ChatCORE during SFT (nanochat's scripts/chat_sft.py `--chatcore-every`, `--chatcore-max-cat`,
-`--chatcore-max-sample`): the arguments (`ChatCoreArguments`, which `hfl3.trainers.sft_config.ChatSFTConfig`
+`--chatcore-max-sample`): the arguments (`ChatCoreArguments`, which `hfl3.trainers.sft.config.ChatSFTConfig`
 inherits), their checks, the problems loaded before training, and `ChatCoreCallback`.
 
 When it runs: every `chatcore_every` optimizer steps (not at step 0, as nanochat) and once more for the final model.

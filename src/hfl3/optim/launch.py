@@ -4,7 +4,7 @@ ZeRO-1/2/3 and FSDP2 themselves run (`hfl3.optim.sharded`).
 
 `Launch` lives in `optim/` because the optimizer imports nothing else of hfl3 (docs/design.md, Layers) and needs the
 DeepSpeed config and the FSDP version for its refusal; the trainer layer, which may import the optimizer, reads the
-launch through it too (`hfl3.trainers.launch.check_launch`), so every fact of the launch is read by one piece of code.
+launch through it too (`hfl3.trainers.cli.launch.check_launch`), so every fact of the launch is read by one piece of code.
 """
 
 import json

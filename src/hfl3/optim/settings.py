@@ -43,7 +43,7 @@ class GroupLearningRates:
 
     `learning_rates` turns them into each group's LR: the field's value, times `s = (hidden_size / 768) ** -0.5` for
     the embedding-like AdamW groups (nanochat: "tuned for 768 dim model"), times `b`, the compute-optimal dial's
-    total-batch scale √(B / 2^19) (`hfl3.trainers.compute_optimal`; 1 for a run sized by hand), for every group but
+    total-batch scale √(B / 2^19) (`hfl3.trainers.pretraining.compute_optimal`; 1 for a run sized by hand), for every group but
     `smear`, which nanochat fixes outside both scales. The fields are absolute LRs: `TrainingArguments.learning_rate`
     is not used by Muon (but to derive fine-tuning LRs, `for_fine_tuning`), and the Trainer's LR schedule multiplies
     every group's LR.

@@ -123,7 +123,7 @@ def sft_model_card(metadata: Mapping[str, Any], name: str, adapter: bool, model_
         usage = (f"Full model: `{shown}` with the LoRA adapter merged in, trained with hfl3's `recipes/sft_lora.py`."
                  f"\n\n```python\n{register}from transformers import AutoModelForCausalLM\n"
                  f"model = AutoModelForCausalLM.from_pretrained({name!r})\n```")
-    if quantized := base.get("quantization"):  # QLoRA (hfl3.trainers.base_model.quantization_metadata)
+    if quantized := base.get("quantization"):  # QLoRA (hfl3.trainers.sft.base_model.quantization_metadata)
         usage += (f"\n\nTrained on the base quantized by bitsandbytes ({quantized['bits']}-bit "
                   f"{quantized['quant_type']}, the rest in {quantized['dtype']}); " + (
                       "load it quantized the same way (on the unquantized base the adapter meets weights it was not "

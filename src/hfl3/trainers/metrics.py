@@ -10,7 +10,7 @@ the gradient norm with `torch.isfinite` on the device and keeps the first bad st
 host (`numel`). The flags are read, the loss drained and the tokens summed across processes only where the Trainer
 synchronises anyway (when it logs, evaluates, saves or stops: `BeforeLogSaveEvaluate`); before a save the parameters
 are checked too, so no checkpoint holds a non-finite tensor and the last good checkpoint stays the newest one. How a
-recipe ends when it stops on a non-finite value is `hfl3.trainers.exits`.
+recipe ends when it stops on a non-finite value is `hfl3.trainers.cli.exits`.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class MuonTrainingArguments(GroupLearningRates):
     (`GroupLearningRates`: `matrix_lr`, `embedding_lr`, ... declared there once, with their nanochat sources), the
     warmdown of the `warmup_stable_decay` schedule, `batch_lr_scale` (set by the compute-optimal plan, or inherited by
     SFT from its base) and `group_lrs_from_learning_rate` (set by SFT when it derives the group LRs from
-    `learning_rate`, `hfl3.trainers.sft_inheritance`). Call `take_muon_out_of_optim` first in `__post_init__`."""
+    `learning_rate`, `hfl3.trainers.sft.inheritance`). Call `take_muon_out_of_optim` first in `__post_init__`."""
 
     use_muon: bool = field(default=False, metadata={"help": "train with hfl3's MuonAdamW (Muon for the hidden "
                                                     "matrices, AdamW for the rest; group LRs *_lr) instead of the "
@@ -59,7 +59,7 @@ class MuonTrainingArguments(GroupLearningRates):
 
         Raises:
             ValueError: `use_muon` with another `optim` (the ranges of the Muon fields:
-                `hfl3.trainers.arguments.check_training_arguments`).
+                `hfl3.trainers.cli.arguments.check_training_arguments`).
         """
         if self.optim == MUON:
             self.use_muon, self.optim = True, "adamw_torch"

@@ -1,5 +1,5 @@
 """Train → evaluate → results, one function both recipes use (`train_and_evaluate`), with one rule for the step-0
-evaluation: it runs inside `train()` (`eval_on_start`, decided by `hfl3.trainers.arguments.decide_evaluation`) and is
+evaluation: it runs inside `train()` (`eval_on_start`, decided by `hfl3.trainers.cli.arguments.decide_evaluation`) and is
 reported as `eval_before_*`. An `evaluate()` before `train()` would prepare the model for inference only (no DDP
 wrapper, so no gradient all-reduce; a raise under ZeRO-2, no engine under ZeRO-3: docs/design.md, Known traps)."""
 
@@ -8,7 +8,7 @@ import math
 
 from transformers.trainer_utils import IntervalStrategy
 
-from hfl3.trainers.recipe_log import cover_new_handlers
+from hfl3.trainers.cli.recipe_log import cover_new_handlers
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What a full SFT run takes from the pretraining run of its base, as nanochat's chat SFT does
 (karpathy/nanochat 92d63d4, scripts/chat_sft.py): the sequence length, the batch, the group learning rates and the
 optimizer's state, unless given. Decided once, when the arguments are checked (`decide_from_base`, called by
-`hfl3.trainers.arguments.check_sft_inputs`); the builder applies the settings and logs each with its source.
+`hfl3.trainers.cli.arguments.check_sft_inputs`); the builder applies the settings and logs each with its source.
 
 | setting | from the base's `metadata.json` (a `recipes/pretrain.py` output) | when |
 |---|---|---|

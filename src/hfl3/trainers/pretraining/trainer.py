@@ -1,6 +1,6 @@
 """Pretraining L3GPT with the HF Trainer: the packed-row collator, bits-per-byte evaluation and `PretrainTrainer`
 (the streamed training data's DataLoader, the host token count, FLOPs, weight decay on matrices, evaluation without
-FP8). The arguments are `hfl3.trainers.pretrain_config`'s; the hooks both trainers share, `hfl3.trainers.hooks`'."""
+FP8). The arguments are `hfl3.trainers.pretraining.config`'s; the hooks both trainers share, `hfl3.trainers.hooks`'."""
 
 import hashlib
 import logging

@@ -20,15 +20,15 @@ from hfl3.distributed import from_main
 from hfl3.evaluate import CoreMetricCallback, core_bundle_for_training
 from hfl3.models.l3gpt import lzw_allocation
 from hfl3.tokenization import load_tokenizer, token_bytes
-from hfl3.trainers.arguments import RunSetup, apply_evaluation
-from hfl3.trainers.compute_optimal import (REFERENCE_DEPTH, ComputeOptimalPlan, apply_plan, compute_optimal_plan,
+from hfl3.trainers.cli.arguments import RunSetup, apply_evaluation
+from hfl3.trainers.pretraining.compute_optimal import (REFERENCE_DEPTH, ComputeOptimalPlan, apply_plan, compute_optimal_plan,
                                           parameter_counts)
 from hfl3.trainers.metrics import ThroughputConfig
 from hfl3.trainers.optimizers import OptimizerSetup
 from hfl3.trainers.outputs import OutputConfig, OutputFolder, RunOutputs
-from hfl3.trainers.pretrain import BitsPerByte, PackedCollator, PretrainTrainer
-from hfl3.trainers.pretrain_config import L3GPTModelArguments, PretrainConfig, PretrainScriptArguments
-from hfl3.trainers.pretrain_data import (
+from hfl3.trainers.pretraining.trainer import BitsPerByte, PackedCollator, PretrainTrainer
+from hfl3.trainers.pretraining.config import L3GPTModelArguments, PretrainConfig, PretrainScriptArguments
+from hfl3.trainers.pretraining.data import (
     PretrainData,
     data_metadata,
     open_data,
@@ -153,7 +153,7 @@ def build_pretraining(script_args: PretrainScriptArguments, training_args: Pretr
     """The recipe's run, each piece of work once: the CORE bundle (read or downloaded before the data), the corpus
     and its validation side, the tokenizer, the compute-optimal plan (sized before any row is packed, and applied to
     `training_args`), the evaluation `setup` decided, the training stream and validation rows, the model and its
-    trainer. `setup` is what the arguments' checks resolved (`hfl3.trainers.arguments.check_pretrain_inputs`).
+    trainer. `setup` is what the arguments' checks resolved (`hfl3.trainers.cli.arguments.check_pretrain_inputs`).
 
     Raises:
         PlanError: a batch or budget the dial cannot plan (before the BPE is trained when it would be).

@@ -1,5 +1,5 @@
-"""The checks that read `hfl3.trainers.flags`' tables, run first among a recipe's checks
-(`hfl3.trainers.arguments.check_pretrain_inputs`, `check_sft_inputs`): `refuse_flags` (a refused field given with a
+"""The checks that read `hfl3.trainers.cli.flags`' tables, run first among a recipe's checks
+(`hfl3.trainers.cli.arguments.check_pretrain_inputs`, `check_sft_inputs`): `refuse_flags` (a refused field given with a
 value the recipe does not take, an honoured field given without what it needs), `OPTIMIZER_BOUNDS` (the range of every
 learning rate, weight decay, momentum, epsilon and fraction of an optimizer group, refused outside it by each argument
 class's `__post_init__`: `check_training_arguments`) and `with_choices` (a refusal that names a value hfl3 chose for the
@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 from hfl3.optim.settings import GroupLearningRates
 from hfl3.provenance.portable import REDACTED, is_secret
-from hfl3.trainers.flags import NEEDS, REFUSED
+from hfl3.trainers.cli.flags import NEEDS, REFUSED
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ OPTIMIZER_BOUNDS: dict[str, Bounds] = {
                            "start at this fraction of the group LRs; 0 trains nothing", example="0.8"),
 }
 """Every learning rate, weight decay, momentum coefficient, epsilon and fraction of an optimizer group that a recipe
-takes, with its range (`hfl3.trainers.arguments.check_training_arguments` refuses a value outside; `tests/test_flags.py` finds every such
+takes, with its range (`hfl3.trainers.cli.arguments.check_training_arguments` refuses a value outside; `tests/test_flags.py` finds every such
 field of the recipes' argument classes in this table). A Muon group LR of 0 is refused like `--learning_rate 0`."""
 
 

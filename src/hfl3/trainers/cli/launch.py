@@ -1,7 +1,7 @@
 """How a recipe was launched: accelerate's setup checked against the launch (`check_launch`; the launch itself is read
 by `hfl3.optim.launch.Launch`, as for Muon's refusal), the gloo process group of a `--use_cpu` launch set up with
 `--ddp_timeout` (`ProcessGroupTimeout`), and the recipes' log format. Their arguments are parsed by
-`hfl3.trainers.arguments` and checked by `hfl3.trainers.setup`; how every multi-process entry point ends is
+`hfl3.trainers.cli.arguments` and checked by `hfl3.trainers.cli.setup`; how every multi-process entry point ends is
 `hfl3.distributed.end_distributed_run`."""
 
 import logging
@@ -26,7 +26,7 @@ CPU_DDP = "on a CPU machine use accelerate_configs/multi_cpu_ddp.yaml with --use
 class LaunchError(RuntimeError):
     """The processes that `accelerate launch` started are not set up as its config file asks; the message names
     the config and the fix. A launched recipe ends with it as one line and exit status 2
-    (`hfl3.trainers.exits.recipe_exits`)."""
+    (`hfl3.trainers.cli.exits.recipe_exits`)."""
 
 
 def launch_problem(requested: str, distributed_type: str, world_size: int, launched: int) -> str | None:

@@ -9,9 +9,9 @@ that silently does nothing.
 A refused field is refused only when the user set it (on the command line or in the `--config` file) to a value
 other than its `Refusal.accepted` ones (what the recipe does anyway). An honoured field that acts only with another
 setting is in `NEEDS`: given without that setting, it is refused too. These are the tables; the checks that read
-them are `hfl3.trainers.flag_checks` (`refuse_flags`, and the range of every optimizer setting,
+them are `hfl3.trainers.cli.flag_checks` (`refuse_flags`, and the range of every optimizer setting,
 `OPTIMIZER_BOUNDS`); the SFT flags that act on some models only are checked against the model's config by
-`hfl3.trainers.base_model.check_model_flags`.
+`hfl3.trainers.sft.base_model.check_model_flags`.
 """
 
 from __future__ import annotations

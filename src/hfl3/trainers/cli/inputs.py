@@ -2,7 +2,7 @@
 model or tokenizer given as a folder or a Hub id (`check_pretrained`, `check_model_folder`, `check_tokenizer_folder`),
 a Hub repository (`check_hub_repo`, `in_cache`), a pretraining corpus (`check_corpus`) and an SFT dataset
 (`check_sft_dataset`). Each refusal is a `ValueError` of one line: `--ARGUMENT VALUE: problem; expected WHAT`. The
-recipes' checks (`hfl3.trainers.arguments`) call them. Once the tokenizer, the data and the model are loaded, the SFT
+recipes' checks (`hfl3.trainers.cli.arguments`) call them. Once the tokenizer, the data and the model are loaded, the SFT
 builder checks that the token ids fit the model's embeddings (`check_vocabulary_fits`).
 
 How a value is read:

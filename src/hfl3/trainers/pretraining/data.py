@@ -1,6 +1,6 @@
 """The pretraining data of a run, built once before the model: the corpus and its validation side (`open_data`), the
 tokenizer (`prepare_tokenizer`), the training stream and the validation rows (`prepare_data`), and the `data` section
-of `metadata.json` (`data_metadata`). `hfl3.trainers.pretrain_builder` builds the model and trainer on them."""
+of `metadata.json` (`data_metadata`). `hfl3.trainers.pretraining.builder` builds the model and trainer on them."""
 
 import logging
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ from hfl3.distributed import check_same_on_all_ranks, from_main, main_writes
 from hfl3.errors import InputError
 from hfl3.tokenization import load_tokenizer, train_tokenizer
 from hfl3.trainers.outputs import OutputFolder, work_dir
-from hfl3.trainers.pretrain_config import PretrainScriptArguments
+from hfl3.trainers.pretraining.config import PretrainScriptArguments
 
 logger = logging.getLogger(__name__)
 

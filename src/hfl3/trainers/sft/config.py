@@ -1,7 +1,7 @@
 """The SFT recipe's three argument classes in one place, as TRL's `sft_config.py` sits beside its trainer:
 `SFTScriptArguments` (the data and outputs), `ChatSFTConfig` (TRL's `SFTConfig` with hfl3's defaults) and
 `SFTModelArguments` (TRL's `ModelConfig`), in the parser's order. They validate and derive values; they start
-nothing (`recipes/sft_lora.py`'s `main` checks them first: `hfl3.trainers.setup.set_up_sft`)."""
+nothing (`recipes/sft_lora.py`'s `main` checks them first: `hfl3.trainers.cli.setup.set_up_sft`)."""
 
 import logging
 import re
@@ -13,9 +13,9 @@ from transformers.trainer_utils import IntervalStrategy
 from trl import ModelConfig, SFTConfig
 
 from hfl3.evaluate.chat_callback import ChatCoreArguments, check_chatcore_arguments
-from hfl3.trainers.arguments import check_training_arguments
-from hfl3.trainers.flag_checks import with_choices
-from hfl3.trainers.launch import ProcessGroupTimeout
+from hfl3.trainers.cli.arguments import check_training_arguments
+from hfl3.trainers.cli.flag_checks import with_choices
+from hfl3.trainers.cli.launch import ProcessGroupTimeout
 from hfl3.trainers.optimizers import MuonTrainingArguments
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ class SFTScriptArguments:
     `val_split` or `eval_file`, or none) and outputs (`merge`: also a merged full model in `output_dir/merged`;
     `sample_prompts`: answered at the end). The `dataset_*` names are TRL's (`trl.ScriptArguments`)."""
 
-    _argument_group_name = "data and outputs (hfl3.trainers.sft_config.SFTScriptArguments)"
+    _argument_group_name = "data and outputs (hfl3.trainers.sft.config.SFTScriptArguments)"
 
     dataset_name: str | None = field(
         default=None, metadata={"help": "A datasets name: Hub dataset id, local folder of data files, or a "
@@ -68,7 +68,7 @@ class SFTModelArguments(ModelConfig):
     PEFT would otherwise match against whole module names), and `gguf_file`, `tokenizer_name_or_path`,
     `base_model_hub_id` added."""
 
-    _argument_group_name = ("model and LoRA (hfl3.trainers.sft_config.SFTModelArguments: trl.ModelConfig; gguf_file, "
+    _argument_group_name = ("model and LoRA (hfl3.trainers.sft.config.SFTModelArguments: trl.ModelConfig; gguf_file, "
                              "tokenizer_name_or_path, base_model_hub_id last)")
 
     use_peft: bool = field(default=True, metadata={"help": "Train LoRA adapters (the only mode of this recipe)."})
@@ -103,7 +103,7 @@ class ChatSFTConfig(ProcessGroupTimeout, ChatCoreArguments, MuonTrainingArgument
             template by hfl3 (`hfl3.data.masks`; TRL needs `{% generation %}` markers); False trains the whole
             sequence, as TRL does. `completion_only_loss` (TRL's None: on) acts on prompt-completion records.
         learning_rate: 2e-4 for LoRA adapters; full fine-tuning (`--use_peft false`) takes TRL's 2e-5 unless it is
-            given (decided with the model arguments, `hfl3.trainers.arguments.check_sft_inputs`). Not used by Muon.
+            given (decided with the model arguments, `hfl3.trainers.cli.arguments.check_sft_inputs`). Not used by Muon.
         lr_scheduler_type: None -> "linear" (TRL's), or with Muon "warmup_stable_decay": warmup (`warmup_steps`,
             none by default) → constant → linear warmdown over the last `warmdown_ratio` (0.5) of the steps to
             `final_lr_frac` (0), starting at `init_lr_frac` (0.8) × the group LRs (karpathy/nanochat 92d63d4,
@@ -120,10 +120,10 @@ class ChatSFTConfig(ProcessGroupTimeout, ChatCoreArguments, MuonTrainingArgument
             with a log line saying why (`best_model_problem`: `--save_strategy no`, a `save_steps` given alone
             against epoch evaluations); metric_for_best_model: "eval_loss".
     A refusal that involves a value chosen here (`hfl3_choices`) says so and names the flag that changes it
-    (`hfl3.trainers.flag_checks.with_choices`).
+    (`hfl3.trainers.cli.flag_checks.with_choices`).
         save_total_limit: 2 (the best and the latest checkpoint survive).
         eval_on_start: None -> True when there is evaluation data and the run does not resume
-            (`hfl3.trainers.arguments.decide_evaluation`); reported as `eval_before_*`
+            (`hfl3.trainers.cli.arguments.decide_evaluation`); reported as `eval_before_*`
             (`hfl3.trainers.training.train_and_evaluate`). It runs inside `train()`: an evaluate() before train() would prepare the model for
             inference only (no DDP wrapper, a ZeRO inference engine).
         dataset_kwargs: None -> `{"skip_prepare_dataset": True}` unless packing: the rows come tokenized, masked and

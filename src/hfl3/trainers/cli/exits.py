@@ -1,11 +1,11 @@
 """How a recipe runs and ends: `run_recipe(parser, main)` parses the arguments, runs `main` (whose first call checks
-them, `hfl3.trainers.setup`) and ends every rank through `hfl3.distributed.end_distributed_run` (`run_main`: the same
+them, `hfl3.trainers.cli.setup`) and ends every rank through `hfl3.distributed.end_distributed_run` (`run_main`: the same
 without ending the process); when the run stops early, `recipe_exits` turns what stopped it into one line on stderr and
 an exit status instead of a traceback:
 
 | what stopped the run | exit status | the line |
 |---|---|---|
-| an argument the recipe's checks refused (`hfl3.trainers.arguments.ArgumentsError`) | 2 | argparse's usage line, then the error's own words |
+| an argument the recipe's checks refused (`hfl3.trainers.cli.arguments.ArgumentsError`) | 2 | argparse's usage line, then the error's own words |
 | bad input: `hfl3.errors.InputError` (data and chat records, a model folder, a plan), `LaunchError` | 2 | the error's own words |
 | a NaN/inf loss or gradient (`NonFiniteTrainingError`) | 1 | the step, the newest checkpoint, what to change |
 | Ctrl-C (`KeyboardInterrupt`) | 130 | what was saved and the command's flags that resume it |
@@ -30,11 +30,11 @@ from pathlib import Path
 from hfl3.distributed import end_distributed_run, lost_peer_message
 from hfl3.errors import InputError
 from hfl3.provenance.portable import redact
-from hfl3.trainers.arguments import ArgumentsError, parse_recipe_args, parsed_secrets
+from hfl3.trainers.cli.arguments import ArgumentsError, parse_recipe_args, parsed_secrets
 from hfl3.trainers.metrics import NonFiniteTrainingError
-from hfl3.trainers.launch import LOG_FORMAT, LaunchError
+from hfl3.trainers.cli.launch import LOG_FORMAT, LaunchError
 from hfl3.trainers.outputs import STAGING, OutputFolder, latest_checkpoint
-from hfl3.trainers.recipe_log import recipe_log
+from hfl3.trainers.cli.recipe_log import recipe_log
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ _ENDING: contextvars.ContextVar[RecipeEnding | None] = contextvars.ContextVar("h
 
 def record_output(output: OutputFolder | None) -> None:
     """Tell the `recipe_exits` block this runs in (if any) the run's output folder, once the checks resolved it
-    (`hfl3.trainers.setup`): a failure or Ctrl-C from then on discards its staging area and says what was saved."""
+    (`hfl3.trainers.cli.setup`): a failure or Ctrl-C from then on discards its staging area and says what was saved."""
     if (ending := _ENDING.get()) is not None:
         ending.output = output
 

@@ -1,11 +1,11 @@
 """What a recipe's `main` does first, on the arguments its parser returned: `set_up_pretraining` and `set_up_sft`
 check the launch, that every rank was given the same arguments, and the recipe's inputs (`check_pretrain_inputs`,
 `check_sft_inputs`: paths, Hub ids, the output folder and resume checkpoint, the evaluation), and return what the
-checks decided (`RunSetup`) for the builder. Parsing itself only parses (`hfl3.trainers.arguments.RecipeParser`): this
+checks decided (`RunSetup`) for the builder. Parsing itself only parses (`hfl3.trainers.cli.arguments.RecipeParser`): this
 is where the collectives, the disk and the Hub are first touched.
 
 A refused argument is an `ArgumentsError`: the recipe ends as for an argument argparse refuses, argparse's usage line
-then `PROG: error: <one line>`, exit status 2 (`hfl3.trainers.exits.recipe_exits`); the same line on every rank
+then `PROG: error: <one line>`, exit status 2 (`hfl3.trainers.cli.exits.recipe_exits`); the same line on every rank
 (`hfl3.distributed.on_all_ranks`), so that no rank is left waiting for the others.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hfl3.distributed import check_same_on_all_ranks, on_all_ranks, rank
-from hfl3.trainers.arguments import (ArgumentsError, RunSetup, check_pretrain_inputs, check_sft_inputs,
+from hfl3.trainers.cli.arguments import (ArgumentsError, RunSetup, check_pretrain_inputs, check_sft_inputs,
                                     launch_arguments)
-from hfl3.trainers.exits import record_output
-from hfl3.trainers.launch import check_launch
+from hfl3.trainers.cli.exits import record_output
+from hfl3.trainers.cli.launch import check_launch
 
 
 def set_up_pretraining(script_args, training_args, model_args, given: frozenset[str] = frozenset()) -> RunSetup:

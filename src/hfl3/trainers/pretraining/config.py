@@ -1,7 +1,7 @@
 """The pretraining recipe's three argument classes in one place, as TRL's `sft_config.py` sits beside its trainer:
 `PretrainScriptArguments` (data and tokenizer), `PretrainConfig` (`TrainingArguments` with nanochat's choices) and
 `L3GPTModelArguments` (the model's shape), in the parser's order. They validate and derive values; they start
-nothing (`recipes/pretrain.py`'s `main` checks them first: `hfl3.trainers.setup.set_up_pretraining`)."""
+nothing (`recipes/pretrain.py`'s `main` checks them first: `hfl3.trainers.cli.setup.set_up_pretraining`)."""
 
 import logging
 from dataclasses import asdict, dataclass, field
@@ -14,9 +14,9 @@ from transformers import TrainingArguments
 from hfl3 import L3GPTConfig
 from hfl3.evaluate.callback import check_core_arguments
 from hfl3.models.l3gpt.modeling_l3gpt import LOSS_IMPLEMENTATIONS
-from hfl3.trainers.arguments import check_training_arguments
-from hfl3.trainers.compute_optimal import derive_gradient_accumulation_steps
-from hfl3.trainers.launch import ProcessGroupTimeout
+from hfl3.trainers.cli.arguments import check_training_arguments
+from hfl3.trainers.pretraining.compute_optimal import derive_gradient_accumulation_steps
+from hfl3.trainers.cli.launch import ProcessGroupTimeout
 from hfl3.trainers.optimizers import MuonTrainingArguments
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class PretrainScriptArguments:
     side, the stream's buffers, the tokenizer (given, or a BPE trained on the stream), the L3 allocation's sample and
     the greedy samples printed at evaluation; `dry_run` plans and stops."""
 
-    _argument_group_name = "data and tokenizer (hfl3.trainers.pretrain_config.PretrainScriptArguments)"
+    _argument_group_name = "data and tokenizer (hfl3.trainers.pretraining.config.PretrainScriptArguments)"
 
     dataset: str = field(default="stdlib", metadata={"help": "comma-separated: stdlib, .txt/.jsonl/.json/.parquet/"
                                                      ".arrow files (text and JSON also .gz/.bz2/.xz), folders and "
@@ -91,7 +91,7 @@ class PretrainConfig(ProcessGroupTimeout, MuonTrainingArguments, TrainingArgumen
     (-1: off; nanochat's default is 2000, but its bundle is a download), `core_metric_max_per_task` (500) and
     `core_bundle_dir` (`hfl3.evaluate.CoreMetricCallback`).
 
-    The dial (`hfl3.trainers.compute_optimal`, nanochat base_train's rules): the steps come from `max_steps` if given,
+    The dial (`hfl3.trainers.pretraining.compute_optimal`, nanochat base_train's rules): the steps come from `max_steps` if given,
     else from `target_flops`, else from `target_param_data_ratio` (None: 12) tokens per scaling parameter;
     `total_batch_size` (tokens per optimizer step; -1 = auto, B ∝ D^0.383 around 2^19 at d12) sets
     `gradient_accumulation_steps`, and then every group's LR is scaled by √(B/2^19) and `weight_decay` (λ_ref) by
@@ -246,7 +246,7 @@ class L3GPTModelArguments:
     None takes `L3GPTConfig`'s (or `from_depth`'s) own default, so no default is repeated here. The vocabulary comes
     from the tokenizer and `max_position_embeddings` from `--max_length`."""
 
-    _argument_group_name = ("model (hfl3.trainers.pretrain_config.L3GPTModelArguments: L3GPTConfig.from_depth; None: the "
+    _argument_group_name = ("model (hfl3.trainers.pretraining.config.L3GPTModelArguments: L3GPTConfig.from_depth; None: the "
                             "config's default)")
 
     depth: int = field(default=4, metadata={"help": "decoder layers; sizes the model (nanochat --depth)"})

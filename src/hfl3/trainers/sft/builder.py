@@ -1,5 +1,5 @@
 """A chat SFT run, built in one place for the recipe and the benchmarks, on the arguments of
-`hfl3.trainers.sft_config`: the tokenizer (`load_sft_tokenizer`), the trainer with its data and base model
+`hfl3.trainers.sft.config`: the tokenizer (`load_sft_tokenizer`), the trainer with its data and base model
 (`build_sft_trainer`) and the output folder (`finish_sft`)."""
 
 import logging
@@ -15,14 +15,14 @@ from hfl3.data.stdlib import stdlib_docstring_chats
 from hfl3.distributed import main_writes
 from hfl3.evaluate.chat_callback import ChatCoreCallback, chatcore_problems_for_training
 from hfl3.provenance import base_lineage, build_metadata, config_sha256
-from hfl3.trainers.arguments import RunSetup, apply_evaluation, check_sft_arguments, decide_evaluation
-from hfl3.trainers.base_model import load_base_model, quantization_metadata
-from hfl3.trainers.inputs import check_vocabulary_fits
+from hfl3.trainers.cli.arguments import RunSetup, apply_evaluation, check_sft_arguments, decide_evaluation
+from hfl3.trainers.sft.base_model import load_base_model, quantization_metadata
+from hfl3.trainers.cli.inputs import check_vocabulary_fits
 from hfl3.trainers.optimizers import OptimizerSetup
 from hfl3.trainers.outputs import OutputConfig, RunOutputs, base_model_hub_id, work_dir
-from hfl3.trainers.sft import ChatSFTTrainer, save_merged_model, save_samples
-from hfl3.trainers.sft_config import ChatSFTConfig, SFTModelArguments, SFTScriptArguments
-from hfl3.trainers.sft_inheritance import decide_from_base
+from hfl3.trainers.sft.trainer import ChatSFTTrainer, save_merged_model, save_samples
+from hfl3.trainers.sft.config import ChatSFTConfig, SFTModelArguments, SFTScriptArguments
+from hfl3.trainers.sft.inheritance import decide_from_base
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class SFTRun:
 def build_sft_trainer(script_args: SFTScriptArguments, training_args: ChatSFTConfig, model_args: SFTModelArguments,
                       setup: RunSetup | None = None) -> SFTRun:
     """Tokenizer, masked data, base model, LoRA and trainer, each once, on the arguments as the recipe's parser
-    checked them (`hfl3.trainers.arguments.check_sft_inputs`), with what those checks decided (`setup`: the output
+    checked them (`hfl3.trainers.cli.arguments.check_sft_inputs`), with what those checks decided (`setup`: the output
     folder and resume checkpoint, the evaluation; None: decided here the same way, for a run built in Python without
     the recipe's parser). The trainer's `provenance` is the run's metadata, so every checkpoint carries it.
 

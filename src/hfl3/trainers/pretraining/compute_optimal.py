@@ -93,7 +93,7 @@ class PlanError(InputError):
     """A run the dial cannot size (a batch that does not divide, a budget under one step, a contradicting
     `--gradient_accumulation_steps`); the message names the numbers and the fix. Raised while the arguments are
     parsed or checked, or by `compute_optimal_plan` once the model is known: the recipes end with it in one line,
-    exit status 2 (`hfl3.trainers.exits`)."""
+    exit status 2 (`hfl3.trainers.cli.exits`)."""
 
 
 def derive_gradient_accumulation_steps(total_batch_size: int, per_device_train_batch_size: int, max_length: int,

@@ -1,6 +1,6 @@
 """A recipe's arguments: parsed (`RecipeParser`, `parse_recipe_args`: `--config FILE` then the command line, a bad
 argument in one line with exit status 2; parsing only parses) and checked once, in one pass, before any heavy work,
-by the first call of the recipe's `main` (`hfl3.trainers.setup.set_up_pretraining`, `set_up_sft`). The checks return
+by the first call of the recipe's `main` (`hfl3.trainers.cli.setup.set_up_pretraining`, `set_up_sft`). The checks return
 what they decide (`RunSetup`: the resolved output folder, whether and when the run evaluates); the recipe's builder
 applies it. They never change the arguments they check. Every function here takes a recipe's arguments in the
 parser's order: (script, training, model), TRL's.
@@ -11,12 +11,12 @@ Which check lives where, and why:
   arguments, and what a flag cannot do in this recipe;
 - in the argument classes' `__post_init__` (`check_training_arguments` and the classes' own): values that need no
   other argument, so that a `PretrainConfig` or `ChatSFTConfig` built in Python is refused the same way;
-- first in `set_up_*` (`hfl3.trainers.launch.check_launch`): the launch as accelerate set it up, which needs the
+- first in `set_up_*` (`hfl3.trainers.cli.launch.check_launch`): the launch as accelerate set it up, which needs the
   process group;
 - when the run's optimizer is built (`hfl3.trainers.optimizers.OptimizerSetup`:
   `hfl3.optim.refuse_unsupported_sharding`, in the builders before any data work) and when the Trainer exists (`hfl3.fp8.check_ao_backend`): what Muon or
   accelerate's FP8 backend cannot run under, read from the launch (`hfl3.optim.launch.Launch`) and the model.
-How a value typed into a recipe is read and checked (a file, a folder, a Hub id): `hfl3.trainers.inputs`.
+How a value typed into a recipe is read and checked (a file, a folder, a Hub id): `hfl3.trainers.cli.inputs`.
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ from hfl3.evaluate import check_core_bundle
 from hfl3.evaluate.chat_callback import check_chatcore_setup
 from hfl3.provenance.hub import is_hub_id
 from hfl3.provenance.portable import REDACTED, is_secret, redact
-from hfl3.trainers.base_model import check_model_flags
-from hfl3.trainers.flag_checks import OPTIMIZER_BOUNDS, refuse_flags, with_choices
-from hfl3.trainers.inputs import (MODEL, MODEL_FILES, TOKENIZER, TOKENIZER_FILES, check_corpus, check_file,
+from hfl3.trainers.sft.base_model import check_model_flags
+from hfl3.trainers.cli.flag_checks import OPTIMIZER_BOUNDS, refuse_flags, with_choices
+from hfl3.trainers.cli.inputs import (MODEL, MODEL_FILES, TOKENIZER, TOKENIZER_FILES, check_corpus, check_file,
                                  check_hub_repo, check_model_folder, check_pretrained, check_sft_dataset,
                                  check_tokenizer_folder)
 from hfl3.trainers.outputs import OutputFolder, base_model_hub_id, prepare_output_dir
-from hfl3.trainers.base_model import check_quantization_arguments
-from hfl3.trainers.sft_inheritance import decide_from_base
+from hfl3.trainers.sft.base_model import check_quantization_arguments
+from hfl3.trainers.sft.inheritance import decide_from_base
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ which global rank 0 resolves for all (`hfl3.trainers.outputs.prepare_output_dir`
 
 class ArgumentsError(InputError):
     """An argument a recipe's checks refused (a path that does not exist, a combination that cannot act:
-    `hfl3.trainers.setup`): one line naming the argument, the value and what was expected, which the recipe shows
+    `hfl3.trainers.cli.setup`): one line naming the argument, the value and what was expected, which the recipe shows
     under argparse's usage line with exit status 2, as for an argument argparse refuses (`recipe_exits`)."""
 
 
@@ -80,14 +80,14 @@ class Evaluation:
 
 @dataclass(frozen=True)
 class RunSetup:
-    """What the checks of a recipe's arguments decided, carried into its builder (`hfl3.trainers.setup`'s
+    """What the checks of a recipe's arguments decided, carried into its builder (`hfl3.trainers.cli.setup`'s
     `set_up_pretraining` and `set_up_sft` return it).
 
     Attributes:
         output: where the run writes (`hfl3.trainers.outputs.prepare_output_dir`); None for a dry run.
         evaluation: whether and when it evaluates.
         settings: training arguments the checks decided, `{name: (value, source)}` (SFT: what a full fine-tuning
-            takes from its base, `hfl3.trainers.sft_inheritance`); the builder sets and logs each.
+            takes from its base, `hfl3.trainers.sft.inheritance`); the builder sets and logs each.
         optimizer_state: a saved optimizer state to warm-start from (`--load_optimizer`), or None.
     """
 
@@ -101,7 +101,7 @@ class RecipeParser(TrlParser):
     """TRL's `TrlParser` (`--config FILE`, then the command line) over a recipe's argument classes, in TRL's order
     (script, training, model): `parse_args_and_config` returns the parsed dataclasses and nothing else; it reads no
     file but the `--config` one, and needs no process group and no Hub (checking the values is the first thing the
-    recipe's `main` does, `hfl3.trainers.setup`).
+    recipe's `main` does, `hfl3.trainers.cli.setup`).
 
     `--config FILE` is documented in `--help`, first among the options, and the usage line is short:
     `usage: PROG [--config FILE] [options] (--help lists them)` (argparse's would list every option, hundreds of
@@ -178,8 +178,8 @@ def parse_recipe_args(parser, args: Sequence[str] | None = None) -> tuple:
     `--config` file that cannot be read or is not a YAML mapping, and values an argument class rejects in its
     `__post_init__` (`ValueError`/`TypeError`, e.g. `--eval_strategy bogus`). The message never shows a credential:
     the values given to fields that hold one (`--hub_token`) and any `hf_...` token are `<redacted>`. What the
-    recipe's checks refuse later (`hfl3.trainers.setup.ArgumentsError`) ends the same way, through
-    `hfl3.trainers.exits.recipe_exits`.
+    recipe's checks refuse later (`hfl3.trainers.cli.setup.ArgumentsError`) ends the same way, through
+    `hfl3.trainers.cli.exits.recipe_exits`.
 
     Args:
         parser: the recipe's `RecipeParser`.
@@ -257,7 +257,7 @@ def decide_evaluation(training_args, has_eval_data: bool, resuming: bool) -> Eva
         ValueError: an evaluation strategy, best-model loading or step-0 evaluation asked for without evaluation
             data; early stopping without evaluation (data, a strategy other than `no`, and best-model loading). A
             value the configuration chose for the user that the message names is said to be one (`hfl3_choices`,
-            `hfl3.trainers.flag_checks.with_choices`).
+            `hfl3.trainers.cli.flag_checks.with_choices`).
     """
     strategy = IntervalStrategy(training_args.eval_strategy)
     choices = getattr(training_args, "hfl3_choices", {})  # values a refusal must say hfl3 chose (ChatSFTConfig)
@@ -339,7 +339,7 @@ def check_sft_inputs(script_args, training_args, model_args, given: frozenset[st
 def check_sft_model(model_args, training_args) -> None:
     """The SFT recipe's model (`check_model_folder`, a GGUF file, or a Hub id), its tokenizer (with a chat template
     unless `--chat_template_path`: `check_tokenizer_folder`) and the flags that act on some models only
-    (`hfl3.trainers.base_model.check_model_flags`), before any data is read. Raises `ValueError` (one line)."""
+    (`hfl3.trainers.sft.base_model.check_model_flags`), before any data is read. Raises `ValueError` (one line)."""
     if training_args.chat_template_path:
         check_file("chat_template_path", training_args.chat_template_path, "a Jinja chat template file (applied "
                    "before tokenization)", suffixes=(".jinja", ".j2"))
@@ -364,7 +364,7 @@ def check_sft_arguments(script_args, training_args, model_args) -> bool:
     Raises:
         ValueError: no model; no or two data sources (or two evaluation sources); `dataset_*` options without
             `--dataset_name`; Muon with LoRA; `--merge` without LoRA; quantization flags that cannot act
-            (`hfl3.trainers.base_model.check_quantization_arguments`).
+            (`hfl3.trainers.sft.base_model.check_quantization_arguments`).
     """
     if not model_args.model_name_or_path:
         raise ValueError("--model_name_or_path is required (a folder, a Hub id, or the folder of --gguf_file)")

@@ -1,8 +1,8 @@
 """SFT on chat data: `ChatSFTTrainer(SFTTrainer)`, its loss at the supervised positions only (`add_supervised_nll`:
 the model's forward patched to return the summed next-token NLL of the positions whose label is not -100, chunked
 linear + cross-entropy, without `(batch, seq, vocab)` logits; used off CUDA/XPU) and the extra outputs
-(`save_samples`, `save_merged_model`). The arguments are `hfl3.trainers.sft_config`'s; the output folder (staging,
-provenance, card, loss plot, push) is `hfl3.trainers.hooks`'; `hfl3.trainers.sft_builder` builds a run (tokenizer,
+(`save_samples`, `save_merged_model`). The arguments are `hfl3.trainers.sft.config`'s; the output folder (staging,
+provenance, card, loss plot, push) is `hfl3.trainers.hooks`'; `hfl3.trainers.sft.builder` builds a run (tokenizer,
 data, base model, trainer) for `recipes/sft_lora.py`."""
 
 import copy
@@ -28,7 +28,7 @@ from hfl3.evaluate.chatcore import chatcore_eval_results
 from hfl3.generation import answer_prompts
 from hfl3.models.l3gpt.linear_cross_entropy import linear_cross_entropy, register_zero3_owner
 from hfl3.provenance import base_lineage, portable, sft_model_card, stamp_folder
-from hfl3.trainers.base_model import merge_adapter
+from hfl3.trainers.sft.base_model import merge_adapter
 from hfl3.trainers.hooks import TrainerHooks
 from hfl3.trainers.outputs import base_model_hub_id
 

@@ -1,4 +1,4 @@
-"""What a recipe's log shows (`recipe_log`, around each recipe's run in `hfl3.trainers.exits.run_recipe`): no
+"""What a recipe's log shows (`recipe_log`, around each recipe's run in `hfl3.trainers.cli.exits.run_recipe`): no
 credential, and a warning that another library repeats at every step once, with a count at the end.
 
 - Every record is redacted (`hfl3.provenance.portable.redact`: the values of the run's credential fields, and any

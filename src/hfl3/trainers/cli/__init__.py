@@ -1,0 +1,1 @@
+"""Parsing and checking a recipe's arguments, and how a run ends: the parser and the recipes' checks (`arguments`), what `main` does first (`setup`), the launch (`launch`), every flag accounted for (`flags`) and the checks that read them (`flag_checks`), the values a user types (`inputs`), the log (`recipe_log`) and the exits (`exits`)."""

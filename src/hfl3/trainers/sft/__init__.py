@@ -1,0 +1,1 @@
+"""Chat SFT: the recipe's arguments (`config`), the base model's load (`base_model`), what a fine-tuning takes from its base (`inheritance`), the builder (`builder`) and `ChatSFTTrainer` (`trainer`)."""
