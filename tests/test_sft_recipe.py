@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -195,9 +196,13 @@ def test_recipe_provenance_in_metadata_safetensors_and_card(recipe_run, l3gpt_fo
             header = f.metadata()
         assert json.loads(header["hfl3.data"])["train_records_sha256"] == data["train_records_sha256"]
         assert json.loads(header["hfl3.versions"]) == metadata["versions"]
+    loaded_from = {}
     for card in [output_dir / "README.md", output_dir / "merged" / "README.md"]:
         text = card.read_text()
         assert data["train_records_sha256"] in text and metadata["versions"]["trl"] in text
+        assert "_hfl3_staging" not in text  # the card names where the folder was committed, not where it was staged
+        loaded_from[card.parent.name] = re.findall(r"from_pretrained\(\s*['\"]([^'\"]+)['\"]", text)
+    assert loaded_from["merged"] and all(name.endswith("merged") for name in loaded_from["merged"])
     assert "library_name: peft" in (output_dir / "README.md").read_text()
 
 

@@ -244,9 +244,10 @@ def save_merged_model(trainer: ChatSFTTrainer, folder: str | os.PathLike, metada
     # the adapter folder (staged, stamped) is the merged model's base: its link names where it will be committed
     merged_metadata = {**metadata, "merged": True,
                        "lineage": base_lineage(folder.parent, name=trainer.outputs.config.output_dir)}
-    stamp_folder(folder, merged_metadata, sft_model_card(merged_metadata, trainer.outputs.usage_name(folder),
+    committed = trainer.outputs.path / folder.name  # where the card's snippet loads it from, once committed
+    stamp_folder(folder, merged_metadata, sft_model_card(merged_metadata, trainer.outputs.usage_name(committed),
                                                          adapter=False, model_index=chatcore_eval_results))
-    logger.info("merged model written to %s", trainer.outputs.path / folder.name)
+    logger.info("merged model written to %s", committed)
     return folder
 
 
