@@ -17,7 +17,8 @@ from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data.sources import open_corpus
 from hfl3.data.streaming import DocumentSource, DocumentSplit, PackedStream
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.pretraining.trainer import PretrainTrainer, PackedCollator
+from hfl3.trainers.pretraining.builder import build_trainer
+from hfl3.trainers.pretraining.trainer import DataLoaderConfig, PackedCollator, PretrainTrainer, StreamedTrainingData
 from hfl3.trainers.pretraining.config import PretrainConfig
 
 
@@ -152,13 +153,52 @@ def test_resume_consumes_exactly_the_rows_of_an_uninterrupted_run(tmp_path, stre
                                   workers=workers)
     assert len(uninterrupted.rows) == 7 * 4 and uninterrupted.rows[:12] != uninterrupted.rows[12:24]
     assert trainer.rows == uninterrupted.rows[12:]
-    assert trainer.data_progress.sha256 == uninterrupted.data_progress.sha256
-    assert trainer.data_progress.batches == uninterrupted.data_progress.batches == 7
+    assert trainer.streamed_data.progress.sha256 == uninterrupted.streamed_data.progress.sha256
+    assert trainer.streamed_data.progress.batches == uninterrupted.streamed_data.progress.batches == 7
     assert [resumed[s] for s in range(4, 8)] == pytest.approx([full[s] for s in range(4, 8)], abs=1e-6)
     assert full[7] < full[1]
     if workers:
         with pytest.raises(ValueError, match="resume with the same numbers"):
             train_tiny(tmp_path / "other", stream, max_steps=7, resume_from=str(checkpoint), workers=1)
+
+
+def test_the_trainer_holds_the_streamed_data_and_rows_keep_the_trainers_dataloader(tmp_path, stream):
+    """`build_trainer` over a stream hands the trainer its `StreamedTrainingData` (the stream, the trainer's collator,
+    the DataLoader arguments), which gives the DataLoader and takes each batch's state; over `datasets` rows there is
+    none, and the DataLoader is the Trainer's. A stream with `ignore_data_skip=False` is refused before any data is
+    read, whether the builder or the trainer builds the streamed data, and streamed data over another stream too."""
+    import datasets
+
+    tokenizer = stream.tokenizer
+    config = L3GPTConfig.from_depth(1, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
+                                    max_position_embeddings=64)
+    args = PretrainConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, report_to="none",
+                          dataloader_num_workers=0, max_steps=1, eval_strategy="no")
+    trainer = build_trainer(L3GPTForCausalLM(config), args, stream, None, tokenizer=tokenizer)
+    data = trainer.streamed_data
+    assert isinstance(data, StreamedTrainingData) and data.stream is stream and data.collator is trainer.data_collator
+    assert data.config == DataLoaderConfig(train_batch_size=3, dataloader_pin_memory=args.dataloader_pin_memory)
+    assert data.progress is None and data.summary() is None
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert "data_state" in batch and data.progress.batches == 0
+    data.consume(batch)
+    assert "data_state" not in batch and data.progress.batches == 1 and batch["input_ids"].shape == (3, 64)
+    assert data.summary()["ranks"][0]["sha256"] == data.progress.sha256
+    rows = datasets.Dataset.from_dict({"input_ids": batch["input_ids"].tolist()})
+    plain = build_trainer(L3GPTForCausalLM(config), args, rows, None, tokenizer=tokenizer)
+    assert plain.streamed_data is None and "data_state" not in next(iter(plain.get_train_dataloader()))
+
+    refused = PretrainConfig(output_dir=str(tmp_path / "skip"), ignore_data_skip=False, report_to="none", max_steps=1,
+                             eval_strategy="no")
+    with pytest.raises(ValueError, match="set ignore_data_skip=True"):
+        build_trainer(L3GPTForCausalLM(config), refused, stream, None, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="set ignore_data_skip=True"):
+        PretrainTrainer(model=L3GPTForCausalLM(config), args=refused, train_dataset=stream,
+                        data_collator=PackedCollator(tokenizer.bos_token_id))
+    with pytest.raises(ValueError, match="another stream"):
+        PretrainTrainer(model=L3GPTForCausalLM(config), args=args, train_dataset=stream,
+                        streamed_data=StreamedTrainingData(rows, PackedCollator(tokenizer.bos_token_id),
+                                                           DataLoaderConfig(train_batch_size=3)))
 
 
 def test_adamw_decays_only_matrices(tmp_path, stream):

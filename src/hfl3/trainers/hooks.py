@@ -9,7 +9,7 @@ lines around `super()` that hand the work to what the trainer holds:
 |---|---|
 | `__init__` | the trainer's own `hand_over_arguments` first, the output folder (`outputs`, built from the arguments when not given) and its push taken over (uploaded once at the end), then after the Trainer's: the step metrics (`metrics.StepMetrics`, with the throughput's config), the optimizer's component (`optimizers.OptimizerSetup`: Muon's refusal of what it cannot run under), the NaN/inf check, the trainer's own `set_up` |
 | `train` | the output folder and resume checkpoint resolved and checked (`outputs.start`), a new throughput window, and after it the peak memory record (`metrics.Throughput`) and the best model to every machine (`outputs.end`) |
-| `get_batch_samples` | a finished run trains nothing more; a streamed batch's state into `data_progress`, tensors copied without blocking |
+| `get_batch_samples` | a finished run trains nothing more; a streamed batch's state into the streamed data's progress (`streamed_data.consume`), tensors copied without blocking |
 | `training_step` | the loss tallied and checked for NaN/inf on the device (`metrics.StepMetrics`) |
 | `_get_grad_norm` (private, pinned) | the pre-clipping gradient norm checked on the device |
 | `log` | metrics the trainer gathered since the last log (`micro_batch_metrics`), the session throughput left out where the trainer says so, the training log's `tok_per_sec` and `mfu` (`metrics.Throughput`, before any callback or reporting integration sees the log), the run's loss and whole-run figures after a resume (`outputs.whole_run_log`) |
@@ -19,7 +19,8 @@ lines around `super()` that hand the work to what the trainer holds:
 | `save_model`, `create_model_card`, `save_metrics`, `save_state` | no `training_args.bin`, provenance and card on every saved folder (`outputs.after_save_model`), local paths out of the saved results (`outputs.after_save_state`) |
 | `finish_output`, `push_output` (hfl3's) | the final folder staged and committed whole (`outputs.finish`), uploaded once (`outputs.push`) |
 
-`outputs` is the output folder, `hfl3.trainers.outputs.RunOutputs`. What each trainer adds it defines once, in its
+`outputs` is the output folder, `hfl3.trainers.outputs.RunOutputs`; `streamed_data`, pretraining's streamed data
+(`hfl3.trainers.pretraining.trainer.StreamedTrainingData`), or None. What each trainer adds it defines once, in its
 own class: `hand_over_arguments` and `set_up` (around the Trainer's `__init__`), `model_card` and `hub_files` (what
 its output folder says), and the Trainer methods only it overrides.
 """
@@ -39,7 +40,6 @@ from accelerate.utils import DistributedType
 from transformers.trainer_utils import speed_metrics
 
 from hfl3 import fp8
-from hfl3.data.streaming import DATA_STATE_KEY
 from hfl3.provenance import portable
 from hfl3.trainers.metrics import NonFiniteCheck, StepMetrics, ThroughputConfig, save_loss_png
 from hfl3.trainers.optimizers import OptimizerSetup
@@ -74,7 +74,8 @@ class TrainerHooks:
         optimizer_setup: what the optimizer hooks hand their work to.
         step_metrics: what each step records without a device sync, and the throughput of each training log
             (`hfl3.trainers.metrics.StepMetrics`).
-        data_progress: a streamed training dataset's progress (`hfl3.data.streaming.StreamProgress`), else None.
+        streamed_data: a streamed training dataset as the trainer holds it (pretraining's `StreamedTrainingData`:
+            its DataLoader, progress and summary), else None.
         micro_batch_metrics: `{"train"|"eval": {name: [value per micro-batch]}}`, averaged into the next log of that
             mode.
     """
@@ -84,7 +85,7 @@ class TrainerHooks:
     `tok_per_sec`, `hfl3.trainers.metrics.Throughput`)."""
     batches_to_device = False
     """True: `get_batch_samples` copies each batch's tensors to the device itself, without blocking."""
-    data_progress = None
+    streamed_data = None
     provenance: dict | None = None  # read by `create_model_card` and `save_model` whenever they run
 
     def __init__(self, *args, outputs: RunOutputs | None = None, optimizer_setup: OptimizerSetup | None = None,
@@ -120,7 +121,7 @@ class TrainerHooks:
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         """The Trainer's batches for the next optimizer step; none once `max_steps` is reached (transformers 5.23,
         resuming a finished run whose dataset has no length, a stream, would train one step past `max_steps`). With
-        `batches_to_device`, a streamed batch's state moves into `data_progress` (from the host rows), then each
+        `batches_to_device`, a streamed batch's state moves into `streamed_data` (from the host rows), then each
         batch's tensors are copied to `device` without blocking (the DataLoader pins them), so that the Trainer
         counts `num_items_in_batch` on the device and its `_prepare_inputs` finds them there: no host wait per
         tensor, where a blocking copy of each (and of the count) would drain the GPU's queue every step."""
@@ -138,9 +139,8 @@ class TrainerHooks:
                 batch = next(epoch_iterator)
             except StopIteration:
                 return
-            state = batch.pop(DATA_STATE_KEY, None)
-            if state is not None:
-                self.data_progress.consume(state, batch["input_ids"])
+            if self.streamed_data is not None:
+                self.streamed_data.consume(batch)
             yield {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
                    for key, value in batch.items()}
 

@@ -133,12 +133,12 @@ def save_resume_state(trainer, folder: Path, totals: Callable[[], dict]) -> None
     """What a resume needs beyond the Trainer's own checkpoint, written on every process into the staged checkpoint
     `folder` before the rename that completes it: `hfl3_run.json` (the run's fingerprint, and `totals()`: its loss
     sum, seconds and steps so far; a collective, called on every process), and a streamed dataset's progress
-    (`trainer.data_progress`: `data_state_rank{R}.safetensors`)."""
+    (`trainer.streamed_data.save`: `data_state_rank{R}.safetensors`)."""
     run_totals = totals()
     if trainer.args.should_save:
         write_json_atomic(folder / RUN_STATE, {"fingerprint": run_fingerprint(trainer), "totals": run_totals})
-    if trainer.data_progress is not None:
-        trainer.data_progress.save(folder)
+    if trainer.streamed_data is not None:
+        trainer.streamed_data.save(folder)
 
 
 @contextlib.contextmanager

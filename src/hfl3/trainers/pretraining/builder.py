@@ -16,6 +16,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deeps
 
 from hfl3 import L3GPTConfig, L3GPTForCausalLM, fp8, provenance
 from hfl3.callbacks import SampleCallback
+from hfl3.data.streaming import PackedStream
 from hfl3.distributed import from_main
 from hfl3.evaluate import CoreMetricCallback, core_bundle_for_training
 from hfl3.models.l3gpt import lzw_allocation
@@ -26,7 +27,13 @@ from hfl3.trainers.pretraining.compute_optimal import (REFERENCE_DEPTH, ComputeO
 from hfl3.trainers.metrics import ThroughputConfig
 from hfl3.trainers.optimizers import OptimizerSetup
 from hfl3.trainers.outputs import OutputConfig, OutputFolder, RunOutputs
-from hfl3.trainers.pretraining.trainer import BitsPerByte, PackedCollator, PretrainTrainer
+from hfl3.trainers.pretraining.trainer import (
+    BitsPerByte,
+    DataLoaderConfig,
+    PackedCollator,
+    PretrainTrainer,
+    StreamedTrainingData,
+)
 from hfl3.trainers.pretraining.config import L3GPTModelArguments, PretrainConfig, PretrainScriptArguments
 from hfl3.trainers.pretraining.data import (
     PretrainData,
@@ -108,7 +115,8 @@ def build_trainer(model: L3GPTForCausalLM, training_args: PretrainConfig, train_
                   output: OutputFolder | None = None, sample_prompts: Sequence[str] = (), core_bundle=None,
                   callbacks: Sequence[TrainerCallback] = (),
                   optimizer_setup: OptimizerSetup | None = None) -> PretrainTrainer:
-    """The recipe's `PretrainTrainer` around `model`: `PackedCollator` (BOS of `tokenizer`, else `bos_token_id`),
+    """The recipe's `PretrainTrainer` around `model`: `PackedCollator` (BOS of `tokenizer`, else `bos_token_id`) and,
+    over a stream, the streamed data the trainer holds (`StreamedTrainingData` with `DataLoaderConfig.from_args`),
     bits-per-byte evaluation on `eval_rows` (`(rows, max_length)` token ids; needs `tokenizer`), the throughput at
     `flops_per_token` (`ThroughputConfig`: training FLOPs per token; None: no MFU), greedy samples of `sample_prompts`
     at evaluation (not under ZeRO-3), the CORE metric every `--core_metric_every` steps with `core_bundle`, and
@@ -118,10 +126,13 @@ def build_trainer(model: L3GPTForCausalLM, training_args: PretrainConfig, train_
     `optimizer_setup`: the run's optimizer, built from `training_args` (None: built by the trainer from them)."""
     bos = tokenizer.bos_token_id if tokenizer is not None else bos_token_id
     evaluating = eval_rows is not None and len(eval_rows) > 0
+    collator = PackedCollator(bos, training_args.attend_across_documents)
+    streamed_data = StreamedTrainingData(train_dataset, collator, DataLoaderConfig.from_args(training_args)) \
+        if isinstance(train_dataset, PackedStream) else None  # rows: the Trainer's own DataLoader
     trainer = PretrainTrainer(
-        model=model, args=training_args, train_dataset=train_dataset,
+        model=model, args=training_args, train_dataset=train_dataset, data_collator=collator,
+        streamed_data=streamed_data,
         eval_dataset=datasets.Dataset.from_dict({"input_ids": eval_rows}) if evaluating else None,
-        data_collator=PackedCollator(bos, training_args.attend_across_documents),
         processing_class=tokenizer, compute_metrics=BitsPerByte(token_bytes(tokenizer)) if evaluating else None,
         preprocess_logits_for_metrics=BitsPerByte.preprocess_logits_for_metrics if evaluating else None,
         callbacks=list(callbacks), throughput=ThroughputConfig(flops_per_token),
@@ -189,7 +200,7 @@ def finish_pretraining(run: PretrainRun, results: dict) -> None:
     (`reload_and_generate`) and pushed with `--push_to_hub`. Call on every rank."""
     trainer, core = run.trainer, run.trainer.core_metric
     trainer.provenance = provenance.build_metadata(
-        data=data_metadata(run.script_args, run.data, trainer.stream_summary()),  # every rank: what each trained on
+        data=data_metadata(run.script_args, run.data, trainer.streamed_data.summary()),  # every rank: what each read
         model=trainer.model.config.to_dict(), script_args=asdict(run.script_args), model_args=asdict(run.model_args),
         training_args=trainer.args.to_dict(), compute_optimal=run.plan.as_dict(), results=results,
         optimizer=trainer.optimizer_setup.metadata(trainer.accelerator.unwrap_model(trainer.model)),

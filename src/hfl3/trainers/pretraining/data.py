@@ -104,7 +104,7 @@ def prepare_data(script_args: PretrainScriptArguments, documents: tuple[Document
 
 def data_metadata(script_args: PretrainScriptArguments, data: PretrainData, consumed: dict) -> dict:
     """The `data` section of metadata.json: sources (files with sizes and sha256), the split, what was trained on
-    (`consumed`: `PretrainTrainer.stream_summary`, also logged)."""
+    (`consumed`: `StreamedTrainingData.summary`, also logged)."""
     logger.info("training stream: %d documents read, %d held out; dropped: %d duplicates within a shard, %d without "
                 "text, %d with empty text", consumed["documents"], consumed["held_out_documents"],
                 consumed["duplicate_documents"], consumed["missing_text_documents"], consumed["empty_text_documents"])
