@@ -169,8 +169,8 @@ def hop_table(text: str) -> dict[str, dict[str, set[str]]]:
 
 def traced_windows(recipe: str, assets, tmp_path) -> dict[int, set[str]]:
     """Steps 2 (a logging step) and 3 (a steady one) of a tiny run of `recipe`'s trainer, traced: pretraining with
-    Muon on packed rows, SFT with LoRA on stdlib chats (the compact CPU loss)."""
-    import datasets
+    Muon on the recipe's stream (read in the main process: its batch state consumed each step), SFT with LoRA on
+    stdlib chats (the compact CPU loss)."""
     import torch
     from peft import LoraConfig
     from step_trace import StepTracer
@@ -178,6 +178,8 @@ def traced_windows(recipe: str, assets, tmp_path) -> dict[int, set[str]]:
     from hfl3 import L3GPTConfig, L3GPTForCausalLM
     from hfl3.data.chat import write_chat_jsonl
     from hfl3.data.sft import load_sft_data
+    from hfl3.data.sources import open_corpus
+    from hfl3.data.streaming import DocumentSource, PackedStream
     from hfl3.data.stdlib import stdlib_docstring_chats
     from hfl3.tokenization import train_tokenizer
     from hfl3.trainers.pretraining.trainer import PackedCollator, PretrainTrainer
@@ -193,9 +195,10 @@ def traced_windows(recipe: str, assets, tmp_path) -> dict[int, set[str]]:
     config = L3GPTConfig.from_depth(1, vocab_size=len(tokenizer), aspect_ratio=32, head_dim=32,
                                     max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id)
     if recipe == "pretraining":
-        ids = tokenizer((assets / "text" / "tinyshakespeare.txt").read_text()[:20_000])["input_ids"]
-        rows = datasets.Dataset.from_dict({"input_ids": [ids[i:i + 32] for i in range(0, 32 * 20, 32)]})
-        trainer = PretrainTrainer(model=L3GPTForCausalLM(config), train_dataset=rows,
+        source = DocumentSource(open_corpus(str(assets / "text" / "tinyshakespeare.txt")), None, seed=0)
+        stream = PackedStream(source, tokenizer, max_seq_len=32, document_max_chars=128, packing_buffer=16,
+                              shuffle_buffer=16)
+        trainer = PretrainTrainer(model=L3GPTForCausalLM(config), train_dataset=stream,
                                   data_collator=PackedCollator(tokenizer.bos_token_id),
                                   args=PretrainConfig(optim="muon", max_length=32, use_cpu=True, **common))
     else:
@@ -217,6 +220,8 @@ def test_one_step_enters_the_files_the_hop_table_names(recipe, assets, tmp_path)
     windows = traced_windows(recipe, assets, tmp_path)
     steady, logging_step = windows[3], windows[2]
     assert "models/l3gpt/modeling_l3gpt.py" in steady  # the guard: the tracer sees the layers below
+    if recipe == "pretraining":  # and the stream, read and its state consumed within the step
+        assert "data/streaming.py" in steady
     assert {name for name in steady if name.startswith(TRAINER_LAYER)} == row["enters"]
     assert {name for name in logging_step if name.startswith(TRAINER_LAYER)} <= row["enters"] | row["logging"]
     unnamed = {name for name in steady | logging_step if not name.startswith(TRAINER_LAYER)} - row["beneath"]
