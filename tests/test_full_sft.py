@@ -19,7 +19,7 @@ from hfl3.optim.state_file import load_optimizer_state, read_header, save_optimi
 from hfl3.provenance import read_chain
 from recipe_setup import recipe_main, set_up_recipe
 from hfl3.trainers.pretraining.config import PretrainConfig
-from hfl3.trainers.sft.trainer import inheritance as sft_inheritance
+from hfl3.trainers.sft import inheritance as sft_inheritance
 from hfl3.trainers.sft.builder import build_sft_trainer
 from hfl3.trainers.sft.inheritance import decide_from_base
 

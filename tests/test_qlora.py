@@ -15,7 +15,7 @@ from hfl3 import L3GPTConfig, L3GPTForCausalLM
 from hfl3.data.chat import read_chat_jsonl, write_chat_jsonl
 from hfl3.data.sft import load_sft_data
 from hfl3.tokenization import train_tokenizer
-from hfl3.trainers.sft.trainer import base_model
+from hfl3.trainers.sft import base_model
 from hfl3.trainers.sft.base_model import (
     check_quantization_arguments,
     load_base_model,
